@@ -1,0 +1,128 @@
+"""Run a function on N gloo ranks (spawned processes on loopback) -- with bounded waits.
+
+``run_ranks(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` on every rank of a
+process group and returns the list of results, rank by rank. ``fn`` must be a module-level function
+(it is pickled by reference). Workers are kept alive between calls (one pool per world size per
+test process), because spawning and importing torch costs seconds on a 2-core machine.
+
+Failure never hangs:
+
+* every wait has a deadline (``timeout``); gloo collectives time out too (``PG_TIMEOUT``);
+* when one rank raises, the pool is torn down at once -- the other ranks may be blocked in a
+  collective that will never complete -- and the call fails with that rank's traceback;
+* a broken pool is replaced on the next call.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+PG_TIMEOUT = datetime.timedelta(seconds=60)
+DEFAULT_TIMEOUT = 180.0
+
+_POOLS: dict[int, "_Pool"] = {}
+
+
+class RankFailure(AssertionError):
+    """A rank raised, timed out or died; carries the remote traceback."""
+
+
+def _worker(rank, world, store_path, inbox, outbox):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=PG_TIMEOUT)
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            result = fn(rank, world, *args)
+            outbox.put((rank, True, result))
+        except BaseException:  # noqa: BLE001 - report everything, including assertion errors
+            outbox.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class _Pool:
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.tmp = tempfile.mkdtemp(prefix="vpce_store_")
+        store_path = os.path.join(self.tmp, "store")
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world)]
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world, store_path, self.inboxes[r], self.outbox), daemon=True)
+            for r in range(world)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args, timeout: float):
+        for inbox in self.inboxes:
+            inbox.put((fn, args))
+        results: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < self.world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RankFailure(f"{fn.__name__}: ranks {sorted(set(range(self.world)) - set(results))} "
+                                  f"did not finish within {timeout:.0f}s")
+            try:
+                rank, ok, value = self.outbox.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead:
+                    raise RankFailure(f"{fn.__name__}: rank(s) {dead} died (exit codes "
+                                      f"{[self.procs[r].exitcode for r in dead]})") from None
+                continue
+            if not ok:
+                raise RankFailure(f"{fn.__name__} failed on rank {rank} of {self.world}:\n{value}")
+            results[rank] = value
+        return [results[r] for r in range(self.world)]
+
+    def close(self, graceful: bool = True):
+        if graceful:
+            for inbox in self.inboxes:
+                inbox.put(None)
+            for p in self.procs:
+                p.join(timeout=5)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results."""
+    pool = _POOLS.get(world_size)
+    if pool is None or not all(p.is_alive() for p in pool.procs):
+        if pool is not None:
+            pool.close(graceful=False)
+        pool = _POOLS[world_size] = _Pool(world_size)
+    try:
+        return pool.run(fn, args, timeout)
+    except BaseException:
+        # Other ranks may be stuck in a collective with the failed one: never reuse this pool.
+        _POOLS.pop(world_size, None)
+        pool.close(graceful=False)
+        raise
+
+
+@atexit.register
+def _close_all():
+    for pool in list(_POOLS.values()):
+        pool.close(graceful=True)
+    _POOLS.clear()

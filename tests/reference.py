@@ -1,0 +1,49 @@
+"""Float64 references the tests compare against: the loss on the GATHERED logits, by PyTorch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def shard(full: torch.Tensor, world: int, rank: int, dim: int = -1) -> torch.Tensor:
+    """Rank ``rank``'s piece in the torch.chunk layout (empty for trailing ranks when too few)."""
+    pieces = torch.chunk(full, world, dim=dim)
+    if rank < len(pieces):
+        return pieces[rank]
+    shape = list(full.shape)
+    shape[dim] = 0
+    return full.new_empty(shape)
+
+
+def reference_loss(logits: torch.Tensor, target: torch.Tensor, *, ignore_index=-100, reduction="mean",
+                   label_smoothing=0.0, z_loss=0.0, softcap=None) -> torch.Tensor:
+    """``F.cross_entropy`` on soft-capped float64 logits, plus the z-loss (differentiable)."""
+    z = logits.double()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z2 = z.reshape(-1, z.shape[-1])
+    t = target.reshape(-1)
+    per = F.cross_entropy(z2, t, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    valid = t != ignore_index
+    if z_loss:
+        per = per + z_loss * torch.logsumexp(z2, -1).square() * valid
+    if reduction == "none":
+        return per.reshape(target.shape)
+    return per.sum() / valid.sum() if reduction == "mean" else per.sum()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -> float:
+    """max |a - b| / max |b| (0 when both are zero). ``scale``: divide by max |scale| instead --
+    the full (gathered) reference, so a small shard is judged on the scale of the whole gradient."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    if b.numel() == 0:
+        return 0.0
+    a, b = a.double(), b.double()
+    scale = (b if scale is None else scale).double().abs().max().item()
+    diff = (a - b).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+# tolerance on loss and gradients, relative to the largest reference value
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}

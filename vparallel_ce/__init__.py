@@ -1,0 +1,20 @@
+"""vparallel_ce: vocab-parallel, chunked and fused cross-entropy for tensor- and pipeline-parallel
+LLM training.
+
+Public API:
+
+* :func:`cross_entropy` -- logits sharded along the vocab over a TP group;
+* :func:`linear_cross_entropy` -- hidden states + the lm_head weight shard, no full logits;
+* :func:`build_loss_fn` and the ``nn.Module`` wrappers -- string-configurable losses;
+* :mod:`vparallel_ce.policy` -- ``choose_chunks``, ``ChunkPolicy``, ``explain``;
+* :mod:`vparallel_ce.pipeline` -- exact loss normalisation under ``torch.distributed.pipelining``;
+* :mod:`vparallel_ce.megatron` -- a Megatron-signature drop-in.
+"""
+
+from .cross_entropy import cross_entropy
+from .linear import linear_cross_entropy
+from .policy import ChunkPolicy, choose_chunks
+from .validate import InvalidInputError
+
+__all__ = ["cross_entropy", "linear_cross_entropy", "ChunkPolicy", "choose_chunks", "InvalidInputError"]
+__version__ = "0.1.0"
