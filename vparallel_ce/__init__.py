@@ -14,7 +14,18 @@ Public API:
 from .cross_entropy import cross_entropy
 from .linear import linear_cross_entropy
 from .policy import ChunkPolicy, choose_chunks
+from .registry import LinearCrossEntropy, PlainCrossEntropy, VocabParallelCrossEntropy, build_loss_fn
 from .validate import InvalidInputError
 
-__all__ = ["cross_entropy", "linear_cross_entropy", "ChunkPolicy", "choose_chunks", "InvalidInputError"]
+__all__ = [
+    "cross_entropy",
+    "linear_cross_entropy",
+    "build_loss_fn",
+    "VocabParallelCrossEntropy",
+    "LinearCrossEntropy",
+    "PlainCrossEntropy",
+    "ChunkPolicy",
+    "choose_chunks",
+    "InvalidInputError",
+]
 __version__ = "0.1.0"

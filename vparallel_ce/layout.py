@@ -203,6 +203,19 @@ def all_gather_rows(x: torch.Tensor, layout: VocabLayout) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
+def all_gather_last_dim(x: torch.Tensor, layout: VocabLayout) -> torch.Tensor:
+    """The full ``[..., V]`` tensor from every rank's torch.chunk shard ``[..., V_local]`` (the
+    unfused reference path only: this is the memory the fused ops avoid)."""
+    if not layout.sharded:
+        return x
+    width = shard_range(layout.vocab_size, layout.world, 0)[1]
+    padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
+    parts = [torch.empty_like(padded) for _ in range(layout.world)]
+    dist.all_gather(parts, padded, group=layout.group)
+    sizes = [shard_range(layout.vocab_size, layout.world, r)[1] for r in range(layout.world)]
+    return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+
+
 def reduce_scatter_rows(x: torch.Tensor, layout: VocabLayout) -> torch.Tensor:
     """Sum ``x`` (``[world * m, ...]``, same on all ranks' shapes) over the group and return this
     rank's ``m`` rows. Uses reduce_scatter where the backend has it (NCCL), else all-reduce + slice

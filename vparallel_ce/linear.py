@@ -122,7 +122,7 @@ def linear_cross_entropy(
     if recompute is not None:
         pol = replace(pol, grad_in_forward=not recompute)
     plan = pol.plan(sum(counts), lay.vocab_size, lay.world, hidden_size=h.shape[-1], reduction=reduction,
-                    schedule=schedule, param_bytes=weight.element_size())
+                    schedule=schedule)
     if chunks != "auto":
         plan = replace(plan, chunks=int(chunks))
     cfg = _Config(lay, spec, reduction, plan, bool(sequence_parallel) and lay.sharded, tuple(counts), check)

@@ -69,13 +69,13 @@ class ChunkPolicy:
             return 1
         if budget < row:  # not even one token's row fits: one token per chunk
             return num_tokens
-        k = math.ceil(num_tokens * row / budget)
+        k = math.ceil(num_tokens / (budget // row))  # whole rows per chunk, so the bound holds
         if self.budget_bytes is None:
             k = min(k, math.ceil(num_tokens / self.min_chunk_tokens))
         return max(1, min(k, num_tokens))
 
     def plan(self, num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int,
-             reduction: str = "mean", schedule: str = "auto", param_bytes: int = 2) -> Plan:
+             reduction: str = "mean", schedule: str = "auto") -> Plan:
         """The full plan of ``linear_cross_entropy`` for one call."""
         v_loc = local_vocab(vocab_size, tp_degree)
         budget = DEFAULT_BUDGET_BYTES if self.budget_bytes is None else int(self.budget_bytes)
@@ -88,8 +88,9 @@ class ChunkPolicy:
             schedule = "token" if k == 1 or accumulator <= budget else "vocab"
         gif = self.grad_in_forward
         if gif is None:
-            kept = v_loc * hidden_size * param_bytes * self.microbatches_in_flight
-            gif = schedule == "token" and (self.microbatches_in_flight <= 1 or kept <= budget)
+            # grads made in forward stay alive until backward: dW (a full lm_head shard) and dh per
+            # microbatch in flight. Under GPipe that is M shards at once, so recompute instead.
+            gif = schedule == "token" and self.microbatches_in_flight <= 1
         return Plan(schedule, k, bool(gif) and reduction != "none")
 
 
@@ -120,11 +121,10 @@ def choose_chunks(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, dtype
 
 
 def choose_plan(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int,
-                reduction: str = "mean", policy: ChunkPolicy | None = None, schedule: str = "auto",
-                param_bytes: int = 2) -> Plan:
+                reduction: str = "mean", policy: ChunkPolicy | None = None, schedule: str = "auto") -> Plan:
     """:class:`Plan` for ``linear_cross_entropy`` (schedule, chunk count, grads in forward)."""
     return (policy or DEFAULT_POLICY).plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size,
-                                           reduction=reduction, schedule=schedule, param_bytes=param_bytes)
+                                           reduction=reduction, schedule=schedule)
 
 
 def explain(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,

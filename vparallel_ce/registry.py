@@ -1,0 +1,130 @@
+"""String-configurable losses (torchtitan ``TrainSpec`` style) and their ``nn.Module`` wrappers.
+
+``build_loss_fn(name, **options)`` returns a module holding the options:
+
+============================  =====================================  ============================
+name (aliases)                module                                 call
+============================  =====================================  ============================
+``naive`` (``plain``)         :class:`PlainCrossEntropy`             ``fn(logits, target)``
+``chunked`` (``vocab_parallel``, ``cross_entropy``)  :class:`VocabParallelCrossEntropy`  ``fn(logits, target)``
+``fused`` (``linear``, ``linear_cross_entropy``)     :class:`LinearCrossEntropy`  ``fn(hidden, weight, target, bias=None)``
+============================  =====================================  ============================
+
+``naive`` is the reference users compare against: gather the vocab-sharded logits, upcast to fp32,
+``F.cross_entropy`` (+ z-loss/softcap with the same definitions), which costs the full fp32 logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .cross_entropy import cross_entropy
+from .layout import all_gather_last_dim, is_dtensor, resolve_group, vocab_layout
+from .linear import linear_cross_entropy
+from .stats import compute_dtype
+
+__all__ = ["build_loss_fn", "PlainCrossEntropy", "VocabParallelCrossEntropy", "LinearCrossEntropy", "LOSSES"]
+
+
+class _LossModule(nn.Module):
+    """Holds keyword options; ``group`` may be a ProcessGroup, a 1-D DeviceMesh or None."""
+
+    def __init__(self, **options):
+        super().__init__()
+        self.options = options
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items() if k != "group")
+
+
+class VocabParallelCrossEntropy(_LossModule):
+    """``forward(logits, target)`` = :func:`vparallel_ce.cross_entropy` with the stored options."""
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, target, **self.options)
+
+
+class LinearCrossEntropy(_LossModule):
+    """``forward(hidden, weight, target, bias=None)`` = :func:`vparallel_ce.linear_cross_entropy`.
+    The lm_head keeps owning its weight; pass ``lm_head.weight`` (a shard or a DTensor)."""
+
+    def forward(self, hidden, weight, target, bias=None) -> torch.Tensor:
+        return linear_cross_entropy(hidden, weight, target, bias, **self.options)
+
+
+class PlainCrossEntropy(_LossModule):
+    """The unfused reference: full fp32 logits, then ``F.cross_entropy``. Sharded input (a DTensor,
+    or a local shard with ``group=``) is all-gathered first. Options: ``group``, ``ignore_index``,
+    ``reduction``, ``label_smoothing``, ``z_loss``, ``softcap``."""
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        opts = dict(self.options)
+        group = resolve_group(opts.pop("group", None))
+        if is_dtensor(logits):
+            logits = logits.full_tensor()
+        elif group is not None and dist.get_world_size(group) > 1:
+            logits = _gather_vocab(logits, group)
+        if is_dtensor(target):
+            target = target.full_tensor()
+        z_loss, softcap = opts.pop("z_loss", 0.0), opts.pop("softcap", None)
+        reduction = opts.pop("reduction", "mean")
+        ignore_index = opts.get("ignore_index", -100)
+        z = logits.to(compute_dtype(logits.dtype)).reshape(-1, logits.shape[-1])
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        t = target.reshape(-1)
+        per = F.cross_entropy(z, t, reduction="none", **opts)
+        valid = t != ignore_index
+        if z_loss:
+            per = per + z_loss * torch.logsumexp(z, -1).square() * valid
+        if reduction == "none":
+            return per.reshape(target.shape)
+        return per.sum() / valid.sum() if reduction == "mean" else per.sum()
+
+
+def _gather_vocab(x: torch.Tensor, group) -> torch.Tensor:
+    lay = vocab_layout(x.shape[-1], group, device=x.device)
+    return _GatherVocab.apply(x, lay)
+
+
+class _GatherVocab(torch.autograd.Function):
+    """Full logits from vocab shards. Every rank then computes the same loss from the same full
+    tensor, so the backward takes this rank's slice of the gradient -- summing the ranks'
+    identical gradients (all_gather's usual backward) would scale it by the world size."""
+
+    @staticmethod
+    def forward(ctx, x, lay):
+        ctx.lay = lay
+        return all_gather_last_dim(x, lay)
+
+    @staticmethod
+    def backward(ctx, grad):
+        lay = ctx.lay
+        return grad[..., lay.offset : lay.offset + lay.local_size], None
+
+
+LOSSES = {
+    "naive": PlainCrossEntropy,
+    "chunked": VocabParallelCrossEntropy,
+    "fused": LinearCrossEntropy,
+}
+_ALIASES = {
+    "plain": "naive",
+    "vocab_parallel": "chunked",
+    "cross_entropy": "chunked",
+    "linear": "fused",
+    "linear_cross_entropy": "fused",
+}
+
+
+def build_loss_fn(name: str, **options) -> nn.Module:
+    """The loss registered under ``name`` (case-insensitive), holding ``options`` (the keyword
+    options of the op it wraps). Unknown names raise a ``ValueError`` listing the known ones."""
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in LOSSES:
+        known = sorted(set(LOSSES) | set(_ALIASES))
+        raise ValueError(f"unknown loss {name!r}; known: {', '.join(known)}")
+    return LOSSES[key](**options)
