@@ -99,3 +99,44 @@ def test_megatron_drop_in_matches_the_reference(world):
 def test_megatron_drop_in_without_megatron_asks_for_the_group():
     with pytest.raises(ValueError, match="pass group="):
         vocab_parallel_cross_entropy(torch.randn(2, 1, 5), torch.zeros(2, 1, dtype=torch.long))
+
+
+def torchtitan_style_rank(rank, world):
+    """A trunk + ColwiseParallel lm_head via parallelize_module; both loss paths of the docs."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    hidden, weight, target = make_case(5, vocab=23)
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"trunk": nn.Linear(6, 6, dtype=torch.float64),
+                               "output": nn.Linear(6, 23, bias=False, dtype=torch.float64)})
+        return model
+
+    ref_model = build()
+    ref = reference_loss(ref_model["output"](torch.tanh(ref_model["trunk"](hidden))), target, reduction="sum")
+    ref.backward()
+    errs = {}
+    for path in ("chunked", "fused"):
+        model = build()
+        parallelize_module(model["output"], mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+        h = torch.tanh(model["trunk"](hidden))
+        if path == "chunked":
+            loss = vparallel_ce.build_loss_fn("chunked", reduction="sum")(model["output"](h), target)
+        else:
+            loss = vparallel_ce.build_loss_fn("fused", reduction="sum")(h, model["output"].weight, target)
+        loss.backward()
+        w_grad = model["output"].weight.grad.full_tensor()
+        errs[path] = max(rel_err(loss, ref), rel_err(w_grad, ref_model["output"].weight.grad),
+                         rel_err(model["trunk"].weight.grad, ref_model["trunk"].weight.grad))
+    return errs
+
+
+def test_torchtitan_style_parallelize_module_with_both_loss_paths():
+    # the trunk's gradient checks that hidden got the FULL gradient on every TP rank
+    for errs in run_ranks(torchtitan_style_rank, 2):
+        assert max(errs.values()) < 1e-12, errs
