@@ -16,6 +16,7 @@ from .linear import linear_cross_entropy
 from .policy import ChunkPolicy, choose_chunks
 from .registry import LinearCrossEntropy, PlainCrossEntropy, VocabParallelCrossEntropy, build_loss_fn
 from .validate import InvalidInputError
+from . import megatron, pipeline, policy  # noqa: E402  (submodules of the public API)
 
 __all__ = [
     "cross_entropy",

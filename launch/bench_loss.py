@@ -1,0 +1,368 @@
+"""lm_head + cross-entropy, forward+backward: ours against the usual ways, in one run.
+
+For each shape N x H x V (tokens x hidden x vocab; bf16 hidden states and weight, random targets,
+mean reduction) and each method it measures
+
+* ``ms``: forward+backward time, median of ``--repeats`` after warm-up (CUDA events; host clock
+  on CPU);
+* ``peak``: ``max_memory_allocated`` during one forward+backward minus what was allocated before
+  it (the resident inputs), so it includes the returned gradients dh and dW (CUDA only);
+* ``err``: ``|x - ref| / |ref|`` of the loss, dh and dW against a float64 reference computed in
+  token chunks on the same device.
+
+Methods: ``fp32_plain`` (``F.cross_entropy((h @ W.T).float(), t)``), ``bf16_plain``, ``compile``
+(fp32_plain under ``torch.compile``), ``torch_lce`` (``F.linear_cross_entropy``, where torch has
+it), ``liger`` and ``cce`` (when importable), ``gemm3`` (the three bf16 matmuls alone: the floor of
+an exact fused loss), ``kernels`` (our two Triton passes alone over precomputed full logits), and ours: ``ours:<schedule>:<chunks>`` for the chunk sweep
+``--chunks`` x {token (grads in forward), vocab (recompute)}, plus ``ours:token:auto``,
+``ours:vocab:auto`` and ``ours:auto:auto`` (the policy's own pick).
+
+    python launch/bench_loss.py --small                # CPU smoke test
+    python launch/bench_loss.py --json $OUT/bench.jsonl # the H200 run (docs/benchmarks.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import vparallel_ce  # noqa: E402
+from vparallel_ce import policy as _policy  # noqa: E402
+
+GiB = 1024**3
+SHAPES = {
+    "llama3_8b": (8192, 4096, 128256),
+    "llama3_8b_tp8": (8192, 4096, 16032),
+    "gemma": (8192, 2304, 256000),
+    "odd_small": (16384, 768, 32777),
+}
+SMALL_SHAPES = {"small_a": (512, 256, 8000), "small_odd": (384, 96, 3001)}
+CHUNKS = (1, 2, 4, 8, 16, 32)
+PEERS = ("fp32_plain", "bf16_plain", "compile", "torch_lce", "liger", "cce", "gemm3", "kernels")
+
+
+# ------------------------------------------------------------------------------------------ methods
+
+def _plain_fp32(h, w, t):
+    return F.cross_entropy((h @ w.t()).float(), t)
+
+
+def _plain_bf16(h, w, t):
+    return F.cross_entropy(h @ w.t(), t)
+
+
+def make_method(name: str, device: torch.device):
+    """``fn(h, w, t) -> loss`` or None when not available here."""
+    if name == "fp32_plain":
+        return _plain_fp32
+    if name == "bf16_plain":
+        return _plain_bf16
+    if name == "compile":
+        return torch.compile(_plain_fp32, dynamic=False)
+    if name == "torch_lce":
+        lce = getattr(F, "linear_cross_entropy", None)
+        return None if lce is None else (lambda h, w, t: lce(h, w, t))
+    if name == "liger":
+        if device.type != "cuda":
+            return None
+        try:
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
+        except Exception:
+            return None
+        return lambda h, w, t: liger(h, w, t)
+    if name == "cce":
+        if device.type != "cuda":
+            return None
+        try:
+            from cut_cross_entropy import linear_cross_entropy as cce
+        except Exception:
+            return None
+        return lambda h, w, t: cce(h, w, t)
+    if name in ("gemm3", "kernels"):
+        return name
+    if name.startswith("ours:"):
+        _, schedule, chunks = name.split(":")
+        chunks = chunks if chunks == "auto" else int(chunks)
+        recompute = False if schedule == "token" else None
+        return lambda h, w, t: vparallel_ce.linear_cross_entropy(
+            h, w, t, chunks=chunks, schedule=schedule, recompute=recompute)
+    raise ValueError(f"unknown method {name!r}")
+
+
+def ours_plan(name: str, n: int, hdim: int, v: int) -> str:
+    if not name.startswith("ours:"):
+        return ""
+    _, schedule, chunks = name.split(":")
+    plan = _policy.DEFAULT_POLICY.plan(n, v, 1, hidden_size=hdim, schedule=schedule,
+                                       **({} if schedule != "token" else {}))
+    k = plan.chunks if chunks == "auto" else int(chunks)
+    return f"{plan.schedule}x{k}"
+
+
+# ---------------------------------------------------------------------------------------- reference
+
+def reference(h, w, t, dtype=torch.float64, rows=1024):
+    """Loss, dh, dW of ``mean CE(h @ w.T, t)`` in ``dtype``, token chunk by token chunk."""
+    n = h.shape[0]
+    w64 = w.to(dtype)
+    dw = torch.zeros_like(w64)
+    dh = torch.empty(h.shape, dtype=dtype, device=h.device)
+    total = torch.zeros((), dtype=dtype, device=h.device)
+    for s in range(0, n, rows):
+        hc = h[s : s + rows].to(dtype)
+        z = hc @ w64.t()
+        lse = torch.logsumexp(z, -1)
+        tc = t[s : s + rows]
+        total += (lse - z.gather(1, tc[:, None]).squeeze(1)).sum()
+        z.sub_(lse[:, None]).exp_()
+        z[torch.arange(z.shape[0], device=z.device), tc] -= 1
+        z /= n
+        dh[s : s + rows] = z @ w64
+        dw.addmm_(z.t(), hc)
+        del z
+    return total / n, dh, dw
+
+
+def rel(a, ref):
+    a = a.to(ref.dtype)
+    return float((a - ref).norm() / ref.norm())
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _gemm3(h, w, t):
+    x = h @ w.t()
+    dh = x @ w
+    dw = x.t() @ h
+    return x, dh, dw
+
+
+_LOGITS = {}
+
+
+def _kernels(h, w, t):
+    """Our two per-chunk kernels alone over the full logits (computed once, outside the timing)."""
+    from vparallel_ce import kernels, stats
+
+    key = (h.data_ptr(), w.data_ptr())
+    if key not in _LOGITS:
+        _LOGITS.clear()
+        _LOGITS[key] = (h @ w.t()).detach()
+    x = _LOGITS[key]
+    ops = kernels.ops_for(x)
+    spec = stats.LossSpec(w.shape[0])
+    lt, owned, valid = stats.local_targets(t, 0, w.shape[0], -100)
+    st = ops.local_stats(x, lt, owned, spec)
+    lse = st.max + torch.log(st.sumexp)
+    return ops.grad_logits(x, lt, owned, lse, valid.float() / t.numel(), spec)
+
+
+def run_once(fn, h, w, t):
+    h.grad = None
+    w.grad = None
+    if fn in ("gemm3", "kernels"):
+        with torch.no_grad():
+            out = (_gemm3 if fn == "gemm3" else _kernels)(h, w, t)
+        return None, out
+    loss = fn(h, w, t)
+    loss.backward()
+    return loss, None
+
+
+def measure(fn, h, w, t, repeats: int, warmup: int, device):
+    for _ in range(warmup):
+        run_once(fn, h, w, t)
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        h.grad = None
+        w.grad = None
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            run_once(fn, h, w, t)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            s = time.perf_counter()
+            run_once(fn, h, w, t)
+            times.append((time.perf_counter() - s) * 1e3)
+    # memory + correctness: one more call from a clean state
+    h.grad = None
+    w.grad = None
+    peak = float("nan")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    loss, extra = run_once(fn, h, w, t)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / GiB
+    return statistics.median(times), peak, loss, extra
+
+
+# -------------------------------------------------------------------------------------------- main
+
+def bench_shape(tag, shape, methods, args, device, emit):
+    n, hdim, v = shape
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h = torch.randn(n, hdim, generator=g).to(device=device, dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, hdim, generator=g) * (1.0 / math.sqrt(hdim))).to(device=device, dtype=torch.bfloat16)
+    w.requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g).to(device)
+    _sync(device)
+    s = time.perf_counter()
+    ref_dtype = torch.float64 if not args.ref_fp32 else torch.float32
+    ref_loss, ref_dh, ref_dw = reference(h.detach(), w.detach(), t, ref_dtype)
+    _sync(device)
+    print(f"# {tag} N={n} H={hdim} V={v}: {str(ref_dtype).split('.')[-1]} reference in "
+          f"{time.perf_counter() - s:.1f}s, loss {float(ref_loss):.5f}", flush=True)
+    flops3 = 3 * 2 * n * hdim * v
+    for name in methods:
+        rec = dict(shape=tag, N=n, H=hdim, V=v, method=name, plan=ours_plan(name, n, hdim, v))
+        try:
+            fn = make_method(name, device)
+            if fn is None:
+                continue
+            ms, peak, loss, _ = measure(fn, h, w, t, args.repeats, args.warmup, device)
+            rec.update(ms=ms, peak_gib=peak, tflops=flops3 / (ms * 1e-3) / 1e12)
+            if loss is not None:
+                rec.update(err_loss=abs(float(loss.detach()) - float(ref_loss)) / abs(float(ref_loss)),
+                           err_dh=rel(h.grad, ref_dh), err_dw=rel(w.grad, ref_dw))
+        except Exception as e:  # OOM, missing kernels, ...: record and go on
+            rec.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+            if args.verbose:
+                traceback.print_exc()
+        h.grad = None
+        w.grad = None
+        _LOGITS.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        emit(rec)
+    del ref_dh, ref_dw
+
+
+def fmt(x, spec):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def print_tables(records):
+    print("\n## Results (fwd+bwd median ms; peak GiB over resident inputs incl. dh+dW; rel. error vs reference)")
+    head = f"| shape | method | plan | ms | peak GiB | TFLOP/s (3 GEMMs) | err loss | err dh | err dW |"
+    print(head)
+    print("|" + "---|" * 9)
+    for r in records:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['method']} | {r['plan']} | {r['error']} | | | | | |")
+            continue
+        print(f"| {r['shape']} | {r['method']} | {r['plan']} | {fmt(r['ms'], '.2f')} | {fmt(r['peak_gib'], '.3f')} | "
+              f"{fmt(r.get('tflops'), '.0f')} | {fmt(r.get('err_loss'), '.1e')} | {fmt(r.get('err_dh'), '.1e')} | "
+              f"{fmt(r.get('err_dw'), '.1e')} |")
+    # the frontier: chunk count x schedule, per shape
+    ours = [r for r in records if r["method"].startswith("ours:") and r["method"].split(":")[2] != "auto"]
+    if not ours:
+        return
+    print("\n## Frontier (ours): ms / peak GiB per chunk count and schedule")
+    chunks = sorted({int(r["method"].split(":")[2]) for r in ours})
+    print("| shape | schedule | " + " | ".join(f"x{c}" for c in chunks) + " |")
+    print("|" + "---|" * (2 + len(chunks)))
+    for shape in dict.fromkeys(r["shape"] for r in ours):
+        for sched in ("token", "vocab"):
+            cells = []
+            for c in chunks:
+                r = next((r for r in ours if r["shape"] == shape and r["method"] == f"ours:{sched}:{c}"), None)
+                if r is None:
+                    cells.append("")
+                elif "error" in r:
+                    cells.append(r["error"].split(":")[0])
+                else:
+                    cells.append(f"{fmt(r['ms'], '.1f')} / {fmt(r['peak_gib'], '.2f')}")
+            print(f"| {shape} | {sched} | " + " | ".join(cells) + " |")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true", help="small shapes (CPU works)")
+    p.add_argument("--shapes", default=None, help="comma list of shape names, or NxHxV")
+    p.add_argument("--methods", default=None, help="comma list (default: all peers and ours)")
+    p.add_argument("--chunks", default=",".join(map(str, CHUNKS)), help="chunk counts of our sweep")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", default=None, help="JSON-lines output (default $OUT/bench_loss.jsonl if $OUT is set)")
+    p.add_argument("--ref-fp32", action="store_true", help="fp32 reference instead of fp64")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
+    if args.small and torch.cuda.is_available():
+        device = torch.device("cuda")
+    table = SMALL_SHAPES if args.small else SHAPES
+    if args.shapes:
+        shapes = {}
+        for s in args.shapes.split(","):
+            if s in SHAPES or s in SMALL_SHAPES:
+                shapes[s] = {**SHAPES, **SMALL_SHAPES}[s]
+            else:
+                shapes[s] = tuple(int(x) for x in s.lower().split("x"))
+    else:
+        shapes = table
+    chunk_list = [int(c) for c in args.chunks.split(",") if c]
+    ours = [f"ours:{s}:{c}" for s in ("token", "vocab") for c in chunk_list]
+    ours += ["ours:token:auto", "ours:vocab:auto", "ours:auto:auto"]
+    if args.methods:
+        methods = []
+        for m in args.methods.split(","):
+            methods += ours if m == "ours" else [m]
+    else:
+        methods = [m for m in PEERS if not (device.type == "cpu" and m in ("compile", "gemm3"))] + ours
+
+    out_path = args.json or (os.path.join(os.environ["OUT"], "bench_loss.jsonl") if os.environ.get("OUT") else None)
+    fh = open(out_path, "a") if out_path else None
+    env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               kernels=vparallel_ce.kernels.ops_for(torch.empty(1, 1, device=device, dtype=torch.bfloat16)).name)
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except Exception:
+        pass
+    print("#", json.dumps(env), flush=True)
+    records = []
+
+    def emit(rec):
+        rec = {**rec, **env}
+        records.append(rec)
+        msg = rec.get("error") or (f"{rec['ms']:.2f} ms, {rec['peak_gib']:.3f} GiB, err dh "
+                                   f"{rec.get('err_dh', float('nan')):.1e} dW {rec.get('err_dw', float('nan')):.1e}")
+        print(f"{rec['shape']:>14} {rec['method']:<18} {rec['plan']:<10} {msg}", flush=True)
+        if fh:
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+
+    for tag, shape in shapes.items():
+        bench_shape(tag, shape, methods, args, device, emit)
+    print_tables(records)
+    if fh:
+        fh.close()
+
+
+if __name__ == "__main__":
+    main()
