@@ -97,6 +97,29 @@ def test_matches_float64_reference(world, vocab, sp):
         assert worst[str(torch.bfloat16)] < TOL[torch.bfloat16], worst
 
 
+def odd_width_rank(rank, world):
+    """Shards wider than 128 whose width is not a multiple of 8 take the aligned-main + tail path."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if world > 1 else None
+    worst = 0.0
+    for plan, reduction, sp in itertools.product(PLANS, ["mean", "none"], [False, True] if world > 1 else [False]):
+        case = make_case(12, tokens=(2, 9), vocab=301)
+        worst = max(worst, run_case(rank, world, group, case, torch.float64, {"label_smoothing": 0.1}, reduction,
+                                    plan, sp))
+    return worst
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_odd_shard_widths_split_into_aligned_parts_match_the_reference(world):
+    # V=301: one rank holds 301 (128-aligned main 256 + tail 45), two ranks hold 151 and 150
+    from vparallel_ce.linear import _aligned_parts
+
+    assert _aligned_parts(301) == [slice(0, 256), slice(256, 301)] and _aligned_parts(256) == [slice(0, 256)]
+    results = run_ranks(odd_width_rank, world) if world > 1 else [odd_width_rank(0, 1)]
+    assert max(results) < 1e-10
+
+
 def bf16_drift_rank(rank, world):
     import torch.distributed as dist
 

@@ -195,21 +195,6 @@ class _Rows:
         return dh_local
 
 
-def _logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(h, w, b)``. On CUDA, when the width (rows of ``w``) is not a multiple of 8, the
-    result is a view of a buffer whose rows are padded to 16 bytes: cuBLAS' fast kernels need
-    aligned leading dimensions, and this matrix feeds the two backward matmuls as well."""
-    v = w.shape[0]
-    if not h.is_cuda or v % 8 == 0 or h.dim() != 2 or h.dtype != w.dtype or torch.is_autocast_enabled():
-        return F.linear(h, w, b)
-    x = torch.empty(h.shape[0], -(-v // 8) * 8, dtype=h.dtype, device=h.device)[:, :v]
-    if b is None:
-        torch.mm(h, w.t(), out=x)
-    else:
-        torch.addmm(b.to(h.dtype), h, w.t(), out=x)
-    return x
-
-
 def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` with ``acc`` fp32/fp64 and a, b possibly bf16: the product is rounded at most
     once, and the running sum stays in ``acc``'s precision."""
@@ -251,51 +236,15 @@ class _Grads:
         )
 
 
-def _token_pass(h, w, b, t, cfg: _Config, *, saved_lse=None, gscale_of=None, need=(True, True, True)):
-    """The token schedule. Forward (``saved_lse is None``): statistics and per-token losses; with
-    ``gscale_of`` also the gradients. Backward: ``saved_lse`` given, gradients only."""
-    lay, spec = cfg.lay, cfg.spec
-    ops = kernels.ops_for(w)
-    rows = _Rows(cfg, cfg.plan.chunks)
-    cdt = compute_dtype(w.dtype)
-    grads = None
-    if gscale_of is not None:
-        grads = _Grads(h, w, b, need, h.shape[0], cdt, dw_accumulate=len(rows) > 1)
-    lse_parts, loss_parts, checks = [], [], []
-    lse_at = 0
-    for c in range(len(rows)):
-        h_c = rows.gather(c, h)
-        t_c = rows.gather(c, t, fill=spec.ignore_index)
-        x_c = _logits(h_c, w, b)
-        local_t, owned, valid = local_targets(t_c, lay.offset, lay.local_size, spec.ignore_index)
-        if saved_lse is None:
-            st = combine(ops.local_stats(x_c, local_t, owned, spec), lay)
-            lse_c = st.lse
-            lse_parts.append(lse_c)
-            loss_parts.append(_keep(rows, c, token_loss(st, valid, spec), cfg.reduction))
-            checks.append((st.owned, valid, t_c))
-        else:
-            lse_c = saved_lse[lse_at : lse_at + t_c.shape[0]]
-            lse_at += t_c.shape[0]
-        if grads is None:
-            continue
-        dx = _grad_in_place(ops, x_c, local_t, owned, lse_c, gscale_of(rows, c, valid), spec)
-        if grads.dh is not None:
-            grads.dh[rows.local[c]] = rows.scatter_grad(c, dx @ w)
-        if grads.dw is not None:
-            if len(rows) > 1:
-                _addmm_fp32_(grads.dw, dx.t(), h_c)
-            else:
-                torch.mm(dx.t(), h_c, out=grads.dw)
-        if grads.db is not None:
-            grads.db += dx.to(cdt).sum(0)
-    if grads is not None and grads.dh is not None:
-        rows.finish(grads.dh)
-    if saved_lse is None and cfg.check:
-        check_owned(*(torch.cat(parts) for parts in zip(*checks)), spec.vocab_size)
-    lse = torch.cat(lse_parts) if lse_parts else None
-    per_token = torch.cat(loss_parts) if loss_parts else None
-    return lse, per_token, grads
+def _aligned_parts(local_size: int) -> list[slice]:
+    """The token schedule's vocab parts: the whole shard, or -- when its width is not a multiple of
+    8 -- a 128-aligned main part and a narrow tail. cuBLAS runs GEMMs whose leading dimension is
+    odd on slow kernels (~120 TFLOP/s at V=32777 on an H200); the split keeps the main part's three
+    GEMMs aligned without copying or padding the weight."""
+    main = local_size - local_size % 128
+    if local_size % 8 == 0 or main == 0:
+        return [slice(0, local_size)]
+    return [slice(0, main), slice(main, local_size)]
 
 
 def _vocab_blocks(local_size: int, blocks: int) -> list[slice]:
@@ -310,41 +259,114 @@ def _vocab_blocks(local_size: int, blocks: int) -> list[slice]:
     return [slice(s, min(s + per, local_size)) for s in range(0, local_size, per)]
 
 
+def _in_block(local_t: torch.Tensor, owned: torch.Tensor, blk: slice):
+    """Targets relative to a vocab block: (index clamped into the block, owned by the block)."""
+    in_blk = owned & (local_t >= blk.start) & (local_t < blk.stop)
+    return (local_t - blk.start).clamp(0, max(blk.stop - blk.start - 1, 0)), in_blk
+
+
+def _block_stats(h, w, b, local_t, owned, blocks, spec, ops, keep: bool):
+    """Local statistics of the rows ``h`` over the given vocab blocks, merged (online softmax).
+    ``keep``: also return each block's logits, for a gradient pass that must not recompute them."""
+    acc, kept = None, []
+    for blk in blocks:
+        x = F.linear(h, w[blk], None if b is None else b[blk])
+        idx, in_blk = _in_block(local_t, owned, blk)
+        st = ops.local_stats(x, idx, in_blk, spec)
+        acc = st if acc is None else merge(acc, st)
+        if keep:
+            kept.append(x)
+    return acc, kept
+
+
+def _block_grads(h, w, b, local_t, owned, blocks, kept, lse, gscale, spec, ops, grads, dh_rows, dw_accumulate):
+    """Gradients of the rows ``h`` over the vocab blocks: ``dh_rows += dx_b W_b`` (fp32), and each
+    block's dW from one matmul (``dW_b = dx_b^T h``, or ``+=`` into the fp32 accumulator when the
+    token schedule visits the block once per chunk). ``kept``: the blocks' logits, else recomputed."""
+    for i, blk in enumerate(blocks):
+        if blk.stop == blk.start:
+            continue
+        x = kept[i] if kept else F.linear(h, w[blk], None if b is None else b[blk])
+        if kept:
+            kept[i] = None  # its memory is reused by the gradient, then freed
+        idx, in_blk = _in_block(local_t, owned, blk)
+        dx = _grad_in_place(ops, x, idx, in_blk, lse, gscale, spec)
+        if dh_rows is not None:
+            _addmm_fp32_(dh_rows, dx, w[blk])
+        if grads.dw is not None:
+            if dw_accumulate:
+                _addmm_fp32_(grads.dw[blk], dx.t(), h)
+            else:
+                torch.mm(dx.t(), h, out=grads.dw[blk])
+        if grads.db is not None:
+            grads.db[blk] += dx.to(grads.db.dtype).sum(0)
+
+
+def _token_pass(h, w, b, t, cfg: _Config, *, saved_lse=None, gscale_of=None, need=(True, True, True)):
+    """The token schedule. Forward (``saved_lse is None``): statistics and per-token losses; with
+    ``gscale_of`` also the gradients, from the same logits (3 matmuls). Backward: ``saved_lse``
+    given, the logits are recomputed for the gradients."""
+    lay, spec = cfg.lay, cfg.spec
+    ops = kernels.ops_for(w)
+    rows = _Rows(cfg, cfg.plan.chunks)
+    parts = _aligned_parts(lay.local_size)
+    grads = None
+    if gscale_of is not None:
+        grads = _Grads(h, w, b, need, h.shape[0], compute_dtype(w.dtype), dw_accumulate=len(rows) > 1)
+    lse_parts, loss_parts, checks = [], [], []
+    lse_at = 0
+    for c in range(len(rows)):
+        h_c = rows.gather(c, h)
+        t_c = rows.gather(c, t, fill=spec.ignore_index)
+        local_t, owned, valid = local_targets(t_c, lay.offset, lay.local_size, spec.ignore_index)
+        kept = []
+        if saved_lse is None:
+            local, kept = _block_stats(h_c, w, b, local_t, owned, parts, spec, ops, keep=grads is not None)
+            st = combine(local, lay)
+            lse_c = st.lse
+            lse_parts.append(lse_c)
+            loss_parts.append(_keep(rows, c, token_loss(st, valid, spec), cfg.reduction))
+            checks.append((st.owned, valid, t_c))
+        else:
+            lse_c = saved_lse[lse_at : lse_at + t_c.shape[0]]
+            lse_at += t_c.shape[0]
+        if grads is None:
+            continue
+        dh_rows = None
+        if grads.dh is not None:
+            # replicated hidden: this chunk's rows of the fp32 buffer (all-reduced in finish);
+            # sequence parallel: the gathered rows, reduce-scattered back to this rank's rows
+            dh_rows = torch.zeros_like(h_c, dtype=grads.dh.dtype) if cfg.sequence_parallel else grads.dh[rows.local[c]]
+        _block_grads(h_c, w, b, local_t, owned, parts, kept, lse_c, gscale_of(rows, c, valid), spec, ops,
+                     grads, dh_rows, dw_accumulate=len(rows) > 1)
+        if cfg.sequence_parallel and dh_rows is not None:
+            grads.dh[rows.local[c]] = rows.scatter_grad(c, dh_rows)
+    if grads is not None and grads.dh is not None:
+        rows.finish(grads.dh)
+    if saved_lse is None and cfg.check:
+        check_owned(*(torch.cat(parts) for parts in zip(*checks)), spec.vocab_size)
+    lse = torch.cat(lse_parts) if lse_parts else None
+    per_token = torch.cat(loss_parts) if loss_parts else None
+    return lse, per_token, grads
+
+
 def _vocab_pass1(h_all, t_all, w, b, cfg: _Config):
     """Statistics over all tokens, one vocab block at a time; one exchange at the end."""
     lay, spec = cfg.lay, cfg.spec
-    ops = kernels.ops_for(w)
     local_t, owned, valid = local_targets(t_all, lay.offset, lay.local_size, spec.ignore_index)
-    acc = None
-    for blk in _vocab_blocks(lay.local_size, cfg.plan.chunks):
-        x_b = _logits(h_all, w[blk], None if b is None else b[blk])
-        in_blk = owned & (local_t >= blk.start) & (local_t < blk.stop)
-        idx = (local_t - blk.start).clamp(0, max(blk.stop - blk.start - 1, 0))
-        st = ops.local_stats(x_b, idx, in_blk, spec)
-        acc = st if acc is None else merge(acc, st)
-    st = combine(acc, lay)
-    return st, valid
+    blocks = _vocab_blocks(lay.local_size, cfg.plan.chunks)
+    local, _ = _block_stats(h_all, w, b, local_t, owned, blocks, spec, kernels.ops_for(w), keep=False)
+    return combine(local, lay), valid
 
 
 def _vocab_pass2(h_all, t_all, w, b, lse, gscale, cfg: _Config, need):
     """Gradients: each dW block from ONE matmul over all tokens; dh summed over blocks in fp32."""
     lay, spec = cfg.lay, cfg.spec
-    ops = kernels.ops_for(w)
     local_t, owned, _ = local_targets(t_all, lay.offset, lay.local_size, spec.ignore_index)
     grads = _Grads(h_all, w, b, need, h_all.shape[0], compute_dtype(w.dtype), dw_accumulate=False)
-    for blk in _vocab_blocks(lay.local_size, cfg.plan.chunks):
-        if blk.stop == blk.start:
-            continue
-        x_b = _logits(h_all, w[blk], None if b is None else b[blk])
-        in_blk = owned & (local_t >= blk.start) & (local_t < blk.stop)
-        idx = (local_t - blk.start).clamp(0, blk.stop - blk.start - 1)
-        dx = _grad_in_place(ops, x_b, idx, in_blk, lse, gscale, spec)
-        if grads.dh is not None:
-            _addmm_fp32_(grads.dh, dx, w[blk])
-        if grads.dw is not None:
-            torch.mm(dx.t(), h_all, out=grads.dw[blk])
-        if grads.db is not None:
-            grads.db[blk] = dx.to(grads.db.dtype).sum(0)
+    blocks = _vocab_blocks(lay.local_size, cfg.plan.chunks)
+    _block_grads(h_all, w, b, local_t, owned, blocks, [], lse, gscale, spec, kernels.ops_for(w), grads, grads.dh,
+                 dw_accumulate=False)
     return grads
 
 

@@ -48,6 +48,8 @@ class ChunkPolicy:
         budget_bytes: bound on one chunk's fp32 logits (``tokens/chunk * V_loc * 4``); None = the
             default (``DEFAULT_BUDGET_BYTES``, soft: the ``min_chunk_tokens`` floor applies).
         min_chunk_tokens: with the default budget, chunks are never made smaller than this.
+        block_columns: the vocab schedule's preferred block width: its time is flat while blocks
+            stay this wide, so it uses at least ``ceil(V_loc / block_columns)`` blocks.
         microbatches_in_flight: forward passes whose saved state is alive at once on this stage
             (1 without PP or under 1F1B; the microbatch count under GPipe).
         grad_in_forward: force (True/False) or let the memory model decide (None) whether
@@ -56,6 +58,7 @@ class ChunkPolicy:
 
     budget_bytes: int | None = None
     min_chunk_tokens: int = 1024
+    block_columns: int = 8192
     microbatches_in_flight: int = 1
     grad_in_forward: bool | None = None
 
@@ -81,11 +84,17 @@ class ChunkPolicy:
         budget = DEFAULT_BUDGET_BYTES if self.budget_bytes is None else int(self.budget_bytes)
         k = min(self.chunks(num_tokens, vocab_size, tp_degree), max(v_loc, 1))
         if schedule == "auto":
-            # one chunk needs no accumulator (dW comes out of one matmul); with several, the token
-            # schedule's fp32 dW accumulator is a cost that does not shrink with more chunks: past
-            # the budget, walk the vocab instead (4 matmuls, memory at the floor)
+            # one chunk: 3 matmuls, no accumulator (dW comes out of one matmul) -- the fastest point.
+            # Several: the token schedule's fp32 dW accumulator (4 V_loc H bytes) does not shrink
+            # with more chunks; past the budget walk the vocab instead (4 matmuls, memory at the floor)
             accumulator = v_loc * hidden_size * 4
             schedule = "token" if k == 1 or accumulator <= budget else "vocab"
+        if schedule == "vocab":
+            # blocks of the local vocab over all tokens: the budget bounds one block's fp32 logits,
+            # and blocks of ~block_columns cost no time over one block (docs/policy.md)
+            fp32 = num_tokens * v_loc * 4
+            k = max(math.ceil(fp32 / max(budget, 1)), math.ceil(v_loc / self.block_columns), 1)
+            k = min(k, max(v_loc, 1))
         gif = self.grad_in_forward
         if gif is None:
             # grads made in forward stay alive until backward: dW (a full lm_head shard) and dh per
