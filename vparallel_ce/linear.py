@@ -276,6 +276,7 @@ def _block_stats(h, w, b, local_t, owned, blocks, spec, ops, keep: bool):
         acc = st if acc is None else merge(acc, st)
         if keep:
             kept.append(x)
+        del x  # else the next block's logits are allocated while this one's are still alive
     return acc, kept
 
 
@@ -300,6 +301,7 @@ def _block_grads(h, w, b, local_t, owned, blocks, kept, lse, gscale, spec, ops, 
                 torch.mm(dx.t(), h, out=grads.dw[blk])
         if grads.db is not None:
             grads.db[blk] += dx.to(grads.db.dtype).sum(0)
+        del x, dx  # free this block before the next one's logits are allocated
 
 
 def _token_pass(h, w, b, t, cfg: _Config, *, saved_lse=None, gscale_of=None, need=(True, True, True)):
