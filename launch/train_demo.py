@@ -63,7 +63,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import vparallel_ce
 from vparallel_ce.pipeline import PipelineLoss, count_valid_tokens, last_stage_rank, step_loss
@@ -333,33 +332,25 @@ def make_loss_sum(kind: str, tp_mesh, sp: bool, chunks):
     tp = tp_mesh.size() if tp_mesh is not None else 1
     group = tp_mesh.get_group() if tp > 1 else None
     sp = sp and tp > 1
-
+    # The loss is configured by name (vparallel_ce's registry): "naive" is the reference that
+    # gathers the full logits and upcasts them; the other two never gather.
+    options = {"group": group, "ignore_index": IGNORE_INDEX, "reduction": "sum"}
+    if kind != "naive":
+        options["chunks"] = chunks
     if kind == "fused":
-        def loss_sum(output, labels):
-            hidden, weight = output
-            if sp:
-                # The hidden states are this rank's torch.chunk of the sequence; take the
-                # matching labels. Flattening [B, S/tp] pairs hidden row i with label i.
-                labels = labels.chunk(tp, dim=1)[tp_mesh.get_local_rank()]
-            return vparallel_ce.linear_cross_entropy(
-                hidden.flatten(0, 1), weight, labels.flatten(), group=group, sequence_parallel=sp,
-                ignore_index=IGNORE_INDEX, reduction="sum", chunks=chunks)
-    elif kind == "chunked":
-        def loss_sum(logits, labels):
-            return vparallel_ce.cross_entropy(logits, labels, group=group, ignore_index=IGNORE_INDEX,
-                                              reduction="sum", chunks=chunks)
-    else:
-        from torch.distributed.tensor import DTensor, Shard
+        options["sequence_parallel"] = sp
+    fn = vparallel_ce.build_loss_fn(kind, **options)
+    if kind != "fused":
+        return fn
 
-        def loss_sum(logits, labels):
-            if tp > 1:
-                # Reference path: materialise the full [B, S, V] logits on every rank (the
-                # gather's backward hands each rank its slice of the gradient). The shards
-                # are equal: every config's vocab size divides the tp degrees its kv heads allow.
-                logits = DTensor.from_local(logits, tp_mesh, [Shard(logits.dim() - 1)],
-                                            run_check=False).full_tensor()
-            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(),
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
+    def loss_sum(output, labels):
+        hidden, weight = output
+        if sp:
+            # The hidden states are this rank's torch.chunk of the sequence; take the
+            # matching labels. Flattening [B, S/tp] pairs hidden row i with label i.
+            labels = labels.chunk(tp, dim=1)[tp_mesh.get_local_rank()]
+        return fn(hidden.flatten(0, 1), weight, labels.flatten())
+
     return loss_sum
 
 
