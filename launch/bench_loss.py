@@ -267,7 +267,7 @@ def fmt(x, spec):
 
 def print_tables(records):
     print("\n## Results (fwd+bwd median ms; peak GiB over resident inputs incl. dh+dW; rel. error vs reference)")
-    head = f"| shape | method | plan | ms | peak GiB | TFLOP/s (3 GEMMs) | err loss | err dh | err dW |"
+    head = "| shape | method | plan | ms | peak GiB | TFLOP/s (3 GEMMs) | err loss | err dh | err dW |"
     print(head)
     print("|" + "---|" * 9)
     for r in records:

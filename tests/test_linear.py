@@ -233,3 +233,22 @@ def test_runs_under_torch_compile():
     ref, up, dh_ref, dw_ref, _ = reference(hidden, weight, None, target, "mean", {})
     (compiled(h, w) * up.float()).backward()
     assert rel_err(h.grad, dh_ref.float()) < 1e-4 and rel_err(w.grad, dw_ref.float()) < 1e-4
+
+
+def unchecked_rank(rank, world):
+    import torch.distributed as dist
+
+    hidden, weight, bias, target = make_case(13, vocab=23)
+    ref, up, dh_ref, dw_ref, db_ref = reference(hidden, weight, bias, target, "sum", {})
+    h = hidden.clone().requires_grad_()
+    w = shard(weight, world, rank, 0).clone().requires_grad_()
+    b = shard(bias, world, rank, 0).clone().requires_grad_()
+    out = vparallel_ce.linear_cross_entropy(h, w, target, b, group=dist.group.WORLD, vocab_size=23, check=False,
+                                            reduction="sum", chunks=2)
+    (out * up).backward()
+    return max(rel_err(out, ref), rel_err(h.grad, dh_ref), rel_err(w.grad, shard(dw_ref, world, rank, 0), dw_ref),
+               rel_err(b.grad, shard(db_ref, world, rank, 0), db_ref))
+
+
+def test_check_false_with_vocab_size():
+    assert max(run_ranks(unchecked_rank, 3)) < 1e-12

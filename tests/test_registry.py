@@ -105,7 +105,7 @@ def torchtitan_style_rank(rank, world):
     """A trunk + ColwiseParallel lm_head via parallelize_module; both loss paths of the docs."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))

@@ -34,7 +34,7 @@ from .layout import (
     VocabLayout, all_gather_rows, all_reduce_sum_, reduce_scatter_rows, resolve_group, unwrap_linear, vocab_layout,
 )
 from .stats import (
-    LossSpec, ChunkStats, combine, compute_dtype, local_targets, merge, reduce, token_grad_scale, token_loss,
+    LossSpec, combine, compute_dtype, local_targets, merge, reduce, token_grad_scale, token_loss,
     token_slices,
 )
 from .validate import Problem, check_linear, check_options, check_owned
