@@ -50,7 +50,7 @@ def registry_rank(rank, world):
     return errs
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_registry_entry_matches_the_reference(world):
     results = run_ranks(registry_rank, world) if world > 1 else [registry_rank(0, 1)]
     for errs in results:
