@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from . import policy as _policy
 from .cross_entropy import cross_entropy as _cross_entropy
-from .layout import is_dtensor, resolve_group
+from .layout import is_dtensor, resolve_group, shard_range
 from .linear import linear_cross_entropy as _linear_cross_entropy
 
 __all__ = [
@@ -340,13 +340,8 @@ def _sequence_shard(hidden, target, group, dim: int):
     group = resolve_group(group)
     if group is None or dist.get_world_size(group) == 1:
         return t
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    pieces = torch.chunk(t, world, dim=dim)
-    if rank < len(pieces):
-        return pieces[rank]
-    shape = list(t.shape)
-    shape[dim] = 0
-    return t.new_empty(shape)
+    start, size = shard_range(t.shape[dim], dist.get_world_size(group), dist.get_rank(group))
+    return t.narrow(dim, start, size)
 
 
 # ---------------------------------------------------------------------------------------------
