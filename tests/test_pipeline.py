@@ -417,3 +417,30 @@ def _multi_names():
 def test_multi_stage_schedules():
     cases = [(kind, n) for n in _multi_names() for kind in ("ce", "linear")]
     _check(run_ranks(_multi_job, 2, 2, 1, cases))
+
+
+def _sequence_parallel_job(rank, world):
+    """PipelineLoss.linear with sequence_parallel: the stage output is this rank's sequence shard
+    [B, S/tp, H] (uneven: S=7 over 2 ranks), the schedule hands the FULL target [B, S]."""
+    g = torch.Generator().manual_seed(21)
+    hidden = torch.randn(2, 7, 5, generator=g, dtype=torch.float64)
+    weight = torch.randn(11, 5, generator=g, dtype=torch.float64)
+    target = torch.randint(0, 11, (2, 7), generator=g)
+    target[0, :3] = -100
+    n_valid = int((target != -100).sum())
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = F.cross_entropy((h_ref @ w_ref.T).flatten(0, 1), target.flatten(), reduction="sum") / n_valid
+    ref.backward()
+    h = torch.chunk(hidden, world, dim=1)[rank].clone().requires_grad_()
+    w = torch.chunk(weight, world, dim=0)[rank].clone().requires_grad_()
+    loss_fn = PipelineLoss.linear(w, group=dist.group.WORLD, sequence_parallel=True, sequence_dim=1)
+    loss = loss_fn(h, target, global_valid_tokens=torch.tensor(n_valid))
+    loss.backward()
+    dh_expect = torch.chunk(h_ref.grad, world, dim=1)[rank]
+    dw_expect = torch.chunk(w_ref.grad, world, dim=0)[rank]
+    return max(abs(loss.item() - ref.item()), (h.grad - dh_expect).abs().max().item(),
+               (w.grad - dw_expect).abs().max().item())
+
+
+def test_linear_loss_with_sequence_parallel_slices_the_full_target():
+    assert max(run_ranks(_sequence_parallel_job, 2)) < 1e-12
