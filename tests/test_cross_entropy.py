@@ -321,3 +321,28 @@ def unchecked_rank(rank, world):
 def test_check_false_with_vocab_size_needs_no_size_exchange():
     for errs in run_ranks(unchecked_rank, 3):
         assert max(errs) < 1e-12
+
+
+def test_no_full_fp32_copy_of_the_logits_when_chunked():
+    """Peak extra memory is one chunk's fp32 working set plus the gradient buffer (in the logits'
+    dtype): no fp32 tensor as large as the local logits is ever created, forward or backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    n, v = 64, 40
+    logits, target = make_case(11, tokens=(n,), vocab=v)
+    x = logits.bfloat16().requires_grad_()
+
+    class Watch(TorchDispatchMode):
+        largest_fp32 = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    Watch.largest_fp32 = max(Watch.largest_fp32, t.numel())
+            return out
+
+    with Watch():
+        vparallel_ce.cross_entropy(x, target, chunks=4, label_smoothing=0.1).backward()
+    assert n * v // 4 <= Watch.largest_fp32 < n * v
+    assert x.grad.dtype == torch.bfloat16
