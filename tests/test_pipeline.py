@@ -22,7 +22,6 @@ from vparallel_ce.pipeline import (
     count_valid_tokens,
     last_stage_rank,
     microbatches_in_flight,
-    splits_backward,
     step_accepts_loss_kwargs,
     step_loss,
 )
@@ -401,8 +400,6 @@ def _multi_job(rank, world, pp, tp, cases):
         errs[f"{kind}/{name}/holder"] = float(holder != (0 if v_shape else pp - 1))
         # the loss state of the last stage: all microbatches at once only in the breadth-first schedule
         errs[f"{kind}/{name}/in_flight={in_flight}"] = float(in_flight != (N_MB if name == "ScheduleLoopedBFS" else 1))
-        split = name in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-        errs[f"{kind}/{name}/splits_backward"] = float(splits_backward(schedule) != split)
     return errs
 
 

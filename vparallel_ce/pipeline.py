@@ -57,7 +57,6 @@ __all__ = [
     "count_valid_tokens",
     "microbatches_in_flight",
     "last_stage_rank",
-    "splits_backward",
     "step_loss",
     "step_accepts_loss_kwargs",
     "MissingTokenCountError",
@@ -423,22 +422,6 @@ def _flatten(actions):
             yield from _flatten(subs)
         else:
             yield a
-
-
-def splits_backward(schedule) -> bool:
-    """Whether a schedule instance runs separate input- and weight-gradient passes ("I"/"W"
-    actions) for its last stage -- the zero-bubble schedules."""
-    order = getattr(schedule, "pipeline_order", None)
-    num_stages = getattr(schedule, "_num_stages", None)
-    if order and num_stages is not None:
-        for actions in order.values():
-            for a in _flatten(actions):
-                kind = getattr(a.computation_type, "value", str(a.computation_type))
-                if a.stage_index == num_stages - 1 and kind in ("I", "W"):
-                    return True
-        return False
-    names = _class_names(schedule)
-    return any(n in names for n in ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV"))
 
 
 def last_stage_rank(schedule_or_class, pp_size: int | None = None) -> int:
