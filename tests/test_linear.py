@@ -212,6 +212,14 @@ def dtensor_rank(rank, world):
     out = vparallel_ce.linear_cross_entropy(h, w, target, chunks=2)
     (out * up).backward()
     errs = [rel_err(out, ref), rel_err(w.grad.to_local(), shard(dw_ref, world, rank, 0)), rel_err(h.grad.to_local(), dh_ref)]
+    # sequence parallel: hidden is a DTensor sharded on its token dim, target split the same way
+    hs = distribute_tensor(hidden.clone(), mesh, [Shard(1)]).requires_grad_()
+    w2 = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
+    t_local = torch.chunk(target, world, dim=1)[rank]
+    out = vparallel_ce.linear_cross_entropy(hs, w2, t_local, sequence_parallel=True, chunks=2)
+    (out * up).backward()
+    errs += [rel_err(out, ref), rel_err(w2.grad.to_local(), shard(dw_ref, world, rank, 0), dw_ref),
+             rel_err(hs.grad.to_local(), torch.chunk(dh_ref, world, dim=1)[rank], dh_ref)]
     try:
         vparallel_ce.linear_cross_entropy(hidden, distribute_tensor(weight, mesh, [Shard(1)]), target)
         message = None
