@@ -361,15 +361,24 @@ def _vocab_pass1(h_all, t_all, w, b, cfg: _Config):
     return combine(local, lay), valid
 
 
-def _vocab_pass2(h_all, t_all, w, b, lse, gscale, cfg: _Config, need):
-    """Gradients: each dW block from ONE matmul over all tokens; dh summed over blocks in fp32."""
+def _vocab_pass2(rows: _Rows, h_all, t_all, w, b, lse, gscale_of, cfg: _Config, need):
+    """Gradients: each dW block from ONE matmul over all tokens; dh summed over blocks in fp32,
+    then summed over the group (all-reduce, or reduce-scatter to this rank's rows with SP)."""
     lay, spec = cfg.lay, cfg.spec
-    local_t, owned, _ = local_targets(t_all, lay.offset, lay.local_size, spec.ignore_index)
+    local_t, owned, valid = local_targets(t_all, lay.offset, lay.local_size, spec.ignore_index)
     grads = _Grads(h_all, w, b, need, h_all.shape[0], compute_dtype(w.dtype), dw_accumulate=False)
     blocks = _vocab_blocks(lay.local_size, cfg.plan.chunks)
-    _block_grads(h_all, w, b, local_t, owned, blocks, [], lse, gscale, spec, kernels.ops_for(w), grads, grads.dh,
-                 dw_accumulate=False)
+    _block_grads(h_all, w, b, local_t, owned, blocks, [], lse, gscale_of(rows, 0, valid), spec, kernels.ops_for(w),
+                 grads, grads.dh, dw_accumulate=False)
+    if grads.dh is not None:
+        grads.dh = rows.finish(rows.scatter_grad(0, grads.dh))
     return grads
+
+
+def _all_rows(h, t, cfg: _Config):
+    """The vocab schedule works on every token at once: all of them, gathered with SP."""
+    rows = _Rows(cfg, 1)
+    return rows, rows.gather(0, h), rows.gather(0, t, fill=cfg.spec.ignore_index)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -385,8 +394,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if cfg.plan.schedule == "token":
             lse, per_token, grads = _token_pass(h, w, b, t, cfg, gscale_of=gscale_of, need=need)
         else:
-            rows = _Rows(cfg, 1)
-            h_all, t_all = rows.gather(0, h), rows.gather(0, t, fill=cfg.spec.ignore_index)
+            rows, h_all, t_all = _all_rows(h, t, cfg)
             st, valid = _vocab_pass1(h_all, t_all, w, b, cfg)
             if cfg.check:
                 check_owned(st.owned, valid, t_all, cfg.spec.vocab_size)
@@ -394,10 +402,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             per_token = _keep(rows, 0, token_loss(st, valid, cfg.spec), cfg.reduction)
             grads = None
             if in_forward:
-                grads = _vocab_pass2(h_all, t_all, w, b, lse, gscale_of(rows, 0, valid), cfg, need)
-                if grads.dh is not None:
-                    grads.dh = rows.scatter_grad(0, grads.dh)
-                    rows.finish(grads.dh)
+                grads = _vocab_pass2(rows, h_all, t_all, w, b, lse, gscale_of, cfg, need)
         ctx.cfg, ctx.need, ctx.in_forward = cfg, need, grads is not None
         if grads is not None:  # only [N, H] / [V_loc, H] gradients are kept, no logits
             ctx.save_for_backward(*grads.cast(h, w, b))
@@ -416,13 +421,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if cfg.plan.schedule == "token":
             _, _, grads = _token_pass(h, w, b, t, cfg, saved_lse=lse, gscale_of=gscale_of, need=ctx.need)
         else:
-            rows = _Rows(cfg, 1)
-            h_all, t_all = rows.gather(0, h), rows.gather(0, t, fill=cfg.spec.ignore_index)
-            valid = t_all != cfg.spec.ignore_index
-            grads = _vocab_pass2(h_all, t_all, w, b, lse, gscale_of(rows, 0, valid), cfg, ctx.need)
-            if grads.dh is not None:
-                grads.dh = rows.scatter_grad(0, grads.dh)
-                rows.finish(grads.dh)
+            rows, h_all, t_all = _all_rows(h, t, cfg)
+            grads = _vocab_pass2(rows, h_all, t_all, w, b, lse, gscale_of, cfg, ctx.need)
         return grads.cast(h, w, b) + (None, None)
 
 
