@@ -104,10 +104,10 @@ def ours_plan(name: str, n: int, hdim: int, v: int) -> str:
     if not name.startswith("ours:"):
         return ""
     _, schedule, chunks = name.split(":")
-    plan = _policy.DEFAULT_POLICY.plan(n, v, 1, hidden_size=hdim, schedule=schedule,
-                                       **({} if schedule != "token" else {}))
-    k = plan.chunks if chunks == "auto" else int(chunks)
-    return f"{plan.schedule}x{k}"
+    chunks = chunks if chunks == "auto" else int(chunks)
+    plan = _policy.choose_plan(n, v, 1, hidden_size=hdim, schedule=schedule, chunks=chunks,
+                               recompute=False if schedule == "token" else None)
+    return f"{plan.schedule}x{plan.chunks}"
 
 
 # ---------------------------------------------------------------------------------------- reference

@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 import vparallel_ce
-from vparallel_ce.pipeline import PipelineLoss, count_valid_tokens, last_stage_rank, step_loss
+from vparallel_ce.pipeline import PipelineLoss, count_valid_tokens, last_stage_rank, sequence_shard, step_loss
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # model.py, when run from anywhere
 import model as llama  # noqa: E402
@@ -346,9 +346,9 @@ def make_loss_sum(kind: str, tp_mesh, sp: bool, chunks):
     def loss_sum(output, labels):
         hidden, weight = output
         if sp:
-            # The hidden states are this rank's torch.chunk of the sequence; take the
-            # matching labels. Flattening [B, S/tp] pairs hidden row i with label i.
-            labels = labels.chunk(tp, dim=1)[tp_mesh.get_local_rank()]
+            # The hidden states are this rank's torch.chunk of the sequence: take the
+            # matching labels the library's way. Flattening [B, S/tp] pairs row i with label i.
+            labels = sequence_shard(hidden, labels, group=group, dim=1)
         return fn(hidden.flatten(0, 1), weight, labels.flatten())
 
     return loss_sum

@@ -108,10 +108,10 @@ def test_callers_logits_are_not_modified_and_all_ignored_mean_is_nan():
 def count_collectives_rank(rank, world):
     import torch.distributed as dist
 
-    import vparallel_ce.layout as layout
+    import vparallel_ce.comm as comm
 
     calls = {"all_reduce": 0, "all_gather": 0}
-    real = {name: getattr(layout.dist, name) for name in calls}
+    real = {name: getattr(comm.dist, name) for name in calls}
 
     def counting(name):
         def call(*args, **kwargs):
@@ -123,7 +123,7 @@ def count_collectives_rank(rank, world):
     logits, target = make_case(5, tokens=(10,), vocab=11)
     x = shard(logits, world, rank).float().requires_grad_()
     for name in calls:
-        setattr(layout.dist, name, counting(name))
+        setattr(comm.dist, name, counting(name))
     try:
         loss = vparallel_ce.cross_entropy(x, target, group=dist.group.WORLD, chunks=3)
         forward = dict(calls)
@@ -131,7 +131,7 @@ def count_collectives_rank(rank, world):
         backward = {k: calls[k] - forward[k] for k in calls}
     finally:
         for name in calls:
-            setattr(layout.dist, name, real[name])
+            setattr(comm.dist, name, real[name])
     return forward, backward
 
 

@@ -46,6 +46,8 @@ def run_case(rank, world, group, case, dtype, opts, reduction, plan, sequence_pa
     hidden, weight, bias, target = case
     ref, up, dh_ref, dw_ref, db_ref = reference(hidden, weight, bias, target, reduction, opts)
     schedule, recompute, chunks = plan
+    if reduction == "none" and recompute is False:  # gradients in forward need mean/sum (an error, tested below)
+        recompute = None
     if sequence_parallel:  # tokens split over the group, torch.chunk layout on the flattened tokens
         h_in = shard(hidden.reshape(-1, H), world, rank, dim=0)
         t_in = shard(target.reshape(-1), world, rank, dim=0)
@@ -113,9 +115,9 @@ def odd_width_rank(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_odd_shard_widths_split_into_aligned_parts_match_the_reference(world):
     # V=301: one rank holds 301 (128-aligned main 256 + tail 45), two ranks hold 151 and 150
-    from vparallel_ce.linear import _aligned_parts
+    from vparallel_ce.layout import aligned_parts
 
-    assert _aligned_parts(301) == [slice(0, 256), slice(256, 301)] and _aligned_parts(256) == [slice(0, 256)]
+    assert aligned_parts(301) == [slice(0, 256), slice(256, 301)] and aligned_parts(256) == [slice(0, 256)]
     results = run_ranks(odd_width_rank, world) if world > 1 else [odd_width_rank(0, 1)]
     assert max(results) < 1e-10
 
@@ -186,7 +188,7 @@ def test_bad_input_is_named():
     f = vparallel_ce.linear_cross_entropy
     with pytest.raises(ValueError, match="does not match weight's hidden size"):
         f(hidden[..., :5], weight, target)
-    with pytest.raises(TypeError, match="hidden dtype"):
+    with pytest.raises(TypeError, match="dtypes differ .* torch.autocast"):
         f(hidden.float(), weight, target)
     with pytest.raises(ValueError, match="bias must be"):
         f(hidden, weight, target, bias[:3])
@@ -194,6 +196,8 @@ def test_bad_input_is_named():
         f(hidden, weight, target[:, :2])
     with pytest.raises(ValueError, match="schedule must be"):
         f(hidden, weight, target, schedule="rows")
+    with pytest.raises(ValueError, match="recompute=False .* needs reduction 'mean' or 'sum'"):
+        f(hidden, weight, target, reduction="none", recompute=False)
     with pytest.raises(ValueError, match="outside"):
         f(hidden, weight, torch.full_like(target, 29))
     with pytest.raises(ValueError, match=r"weight must be \[V_local, H\]"):
@@ -260,3 +264,43 @@ def unchecked_rank(rank, world):
 
 def test_check_false_with_vocab_size():
     assert max(run_ranks(unchecked_rank, 3)) < 1e-12
+
+
+def count_matmuls(fn):
+    """Matrix products run by ``fn()`` (forward and backward), counted at the dispatcher."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    names = {"mm", "addmm", "addmm_", "bmm", "baddbmm"}
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in names:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+@pytest.mark.parametrize("chunks,matmuls", [(1, 3), (4, 12)])
+def test_an_integer_chunk_count_means_token_chunks_with_three_matmuls_each(chunks, matmuls):
+    # chunks=1 is "don't chunk": the 3-matmul fast point (gradients in forward), never the vocab schedule
+    hidden, weight, _, target = make_case(14, tokens=(4, 16), vocab=64)
+    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    assert count_matmuls(lambda: vparallel_ce.linear_cross_entropy(h, w, target, chunks=chunks).backward()) == matmuls
+    plan = vparallel_ce.policy.choose_plan(64, 64, hidden_size=H, chunks=chunks)
+    assert (plan.schedule, plan.chunks, plan.grad_in_forward) == ("token", chunks, True)
+
+
+def test_the_vocab_schedule_only_when_asked_for_or_chosen_by_the_policy():
+    hidden, weight, _, target = make_case(15, tokens=(4, 16), vocab=64)
+    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    # 2 blocks: statistics (2 matmuls), then per block recompute + dh + dW (6)
+    assert count_matmuls(lambda: vparallel_ce.linear_cross_entropy(
+        h, w, target, chunks=2, schedule="vocab").backward()) == 8
+    # recompute=True is the one switch for "gradients in backward": 1 + 3 matmuls per token chunk
+    assert count_matmuls(lambda: vparallel_ce.linear_cross_entropy(
+        h, w, target, chunks=2, recompute=True).backward()) == 8

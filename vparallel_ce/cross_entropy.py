@@ -5,16 +5,18 @@ and one all-reduce SUM of four floats per token (:mod:`vparallel_ce.stats`). The
 each chunk's softmax from the saved input logits and the saved per-token ``lse`` and needs no
 collective. Extra memory: one chunk's fp32 working set in forward; the gradient buffer (logits'
 dtype) plus one chunk's fp32 working set in backward. The caller's logits are never modified.
+Works with: plain or DTensor ``Shard(-1)`` logits, any TP degree (uneven and empty shards),
+``torch.autocast`` (the statistics are fp32 whatever the region's dtype), ``torch.compile``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import kernels, policy
-from .layout import resolve_group, unwrap_logits, vocab_layout
-from .stats import LossSpec, combine, compute_dtype, local_targets, reduce, token_grad_scale, token_loss, token_slices
-from .validate import check_logits, check_options, check_owned
+from . import kernels
+from .call import Call, logits_call
+from .stats import combine, compute_dtype, local_targets, reduce, token_grad_scale, token_loss, token_slices
+from .validate import check_owned
 
 __all__ = ["cross_entropy"]
 
@@ -58,60 +60,49 @@ def cross_entropy(
         gathered, soft-capped fp32 logits; the gradient of each rank's shard is that shard's slice
         of the gradient of that one loss, in the logits' dtype.
     """
-    logits, target, group, vocab_size = unwrap_logits(logits, target, group, vocab_size)
-    group = resolve_group(group)
-    problem = check_options(
-        reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, chunks=chunks
-    ) or check_logits(logits, target)
-    ok = problem is None
-    local_size = logits.shape[-1] if ok else 0
-    num_tokens = target.numel() if ok else 0
-    # the same keys on every rank, valid input or not, so the exchange itself always matches up
-    agree = {"token count": num_tokens, "chunks option": (-1 if chunks == "auto" else chunks) if ok else 0,
-             "target checksum": target.sum() if ok else 0}
-    lay = vocab_layout(
-        local_size, group, device=logits.device if ok else torch.device("cpu"),
-        vocab_size=vocab_size, check=check, agree=agree, problem=problem,
-    )
-    spec = LossSpec(lay.vocab_size, ignore_index, float(label_smoothing), float(z_loss), softcap)
-    if chunks == "auto":
-        chunks = policy.choose_chunks(num_tokens, lay.vocab_size, lay.world, dtype=logits.dtype)
-    x = logits.reshape(num_tokens, local_size)
-    out = _CrossEntropy.apply(x, target.reshape(-1), lay, spec, reduction, chunks, check)
-    return out.reshape(target.shape) if reduction == "none" else out
+    call, inp = logits_call(logits, target, group=group, vocab_size=vocab_size, reduction=reduction, chunks=chunks,
+                            check=check, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                            softcap=softcap)
+    out = _CrossEntropy.apply(inp.x, inp.target, call)
+    return out.reshape(inp.shape) if reduction == "none" else out
 
 
 class _CrossEntropy(torch.autograd.Function):
-    """Thin autograd wrapper: forward = statistics per chunk; backward = local softmax gradient."""
+    """Thin autograd wrapper: forward = statistics per chunk; backward = local softmax gradient.
+    Autocast is off inside: the math is explicit fp32 (fp64 for fp64 logits)."""
 
     @staticmethod
-    def forward(ctx, x, target, lay, spec, reduction, chunks, check):
-        ops = kernels.ops_for(x)
-        local_t, owned, valid = local_targets(target, lay.offset, lay.local_size, spec.ignore_index)
-        cdt = compute_dtype(x.dtype)
-        n = x.shape[0]
-        lse = torch.empty(n, dtype=cdt, device=x.device)
-        per_token = torch.empty(n, dtype=cdt, device=x.device)
-        owned_total = torch.empty(n, dtype=cdt, device=x.device)
-        for sl in token_slices(n, chunks):
-            st = combine(ops.local_stats(x[sl], local_t[sl], owned[sl], spec), lay)
-            lse[sl], owned_total[sl] = st.lse, st.owned
-            per_token[sl] = token_loss(st, valid[sl], spec)
-        if check:
-            check_owned(owned_total, valid, target, spec.vocab_size)
-        n_valid = valid.sum()
-        ctx.save_for_backward(x, target, lse, n_valid)
-        ctx.lay, ctx.spec, ctx.reduction, ctx.chunks = lay, spec, reduction, chunks
-        return reduce(per_token, n_valid, reduction)
+    def forward(ctx, x, target, call: Call):
+        with torch.autocast(x.device.type, enabled=False):
+            lay, spec = call.layout, call.spec
+            ops = kernels.ops_for(x)
+            local_t, owned, valid = local_targets(target, lay.offset, lay.local_size, spec.ignore_index)
+            cdt = compute_dtype(x.dtype)
+            n = x.shape[0]
+            lse = torch.empty(n, dtype=cdt, device=x.device)
+            per_token = torch.empty(n, dtype=cdt, device=x.device)
+            owned_total = torch.empty(n, dtype=cdt, device=x.device)
+            for sl in token_slices(n, call.plan.chunks):
+                st = combine(ops.local_stats(x[sl], local_t[sl], owned[sl], spec), lay)
+                lse[sl], owned_total[sl] = st.lse, st.owned
+                per_token[sl] = token_loss(st, valid[sl], spec)
+            if call.check:
+                check_owned(owned_total, valid, target, spec.vocab_size)
+            n_valid = valid.sum()
+            ctx.save_for_backward(x, target, lse, n_valid)
+            ctx.call = call
+            return reduce(per_token, n_valid, call.reduction)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, target, lse, n_valid = ctx.saved_tensors
-        lay, spec = ctx.lay, ctx.spec
-        ops = kernels.ops_for(x)
-        local_t, owned, valid = local_targets(target, lay.offset, lay.local_size, spec.ignore_index)
-        gscale = token_grad_scale(grad_out, valid, n_valid, ctx.reduction, lse.dtype)
-        dx = torch.empty_like(x)
-        for sl in token_slices(x.shape[0], ctx.chunks):
-            dx[sl] = ops.grad_logits(x[sl], local_t[sl], owned[sl], lse[sl], gscale[sl], spec)
-        return dx, None, None, None, None, None, None
+        call = ctx.call
+        lay, spec = call.layout, call.spec
+        with torch.autocast(x.device.type, enabled=False):
+            ops = kernels.ops_for(x)
+            local_t, owned, valid = local_targets(target, lay.offset, lay.local_size, spec.ignore_index)
+            gscale = token_grad_scale(grad_out, valid, n_valid, call.reduction, lse.dtype)
+            dx = torch.empty_like(x)
+            for sl in token_slices(x.shape[0], call.plan.chunks):
+                dx[sl] = ops.grad_logits(x[sl], local_t[sl], owned[sl], lse[sl], gscale[sl], spec)
+        return dx, None, None

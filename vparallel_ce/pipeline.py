@@ -45,11 +45,11 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 
-from . import policy as _policy
+from . import comm, policy as _policy
+from .call import local as _local
 from .cross_entropy import cross_entropy as _cross_entropy
-from .layout import is_dtensor, resolve_group, shard_range
+from .layout import shard_of
 from .linear import linear_cross_entropy as _linear_cross_entropy
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "last_stage_rank",
     "step_loss",
     "step_accepts_loss_kwargs",
+    "sequence_shard",
     "MissingTokenCountError",
 ]
 
@@ -97,14 +98,7 @@ def count_valid_tokens(labels, *, ignore_index: int = -100, group=None) -> torch
         if not isinstance(t, torch.Tensor) or t.is_floating_point():
             raise TypeError("count_valid_tokens: labels must be integer tensors")
     n = torch.stack([_local(t).ne(ignore_index).sum() for t in labels]).sum().to(torch.int64)
-    group = resolve_group(group)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(n, op=dist.ReduceOp.SUM, group=group)
-    return n
-
-
-def _local(t):
-    return t.to_local() if is_dtensor(t) else t
+    return comm.all_reduce_sum_(n, comm.resolve_group(group))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,7 +153,6 @@ class PipelineLoss:
             raise TypeError(f"PipelineLoss: fn must be callable, got {type(fn).__name__}")
         self.fn = fn
         self.name = name or getattr(fn, "__name__", "loss")
-        self.policy: _policy.ChunkPolicy | None = None  # set by the linear constructor
         self._context_tokens = None
 
     # -- constructors -------------------------------------------------------------------------
@@ -229,21 +222,14 @@ class PipelineLoss:
         pol = policy or _policy.DEFAULT_POLICY
         if policy is None or microbatches_in_flight != 1:
             pol = replace(pol, microbatches_in_flight=int(microbatches_in_flight))
-        get_w = weight if callable(weight) and not isinstance(weight, torch.Tensor) else (lambda: weight)
-        get_b = bias if callable(bias) and not isinstance(bias, torch.Tensor) else (lambda: bias)
-        loss = cls(lambda output, target: None, name="linear_cross_entropy")
-        loss.policy = pol
+        fn = _LinearStageLoss(weight, bias, pol, dict(group=group, sequence_parallel=sequence_parallel,
+                                                      ignore_index=ignore_index, **options), sequence_dim)
+        return cls(fn, name="linear_cross_entropy")
 
-        def fn(output, target):
-            if sequence_parallel:
-                target = _sequence_shard(output, target, group, sequence_dim)
-            return _linear_cross_entropy(
-                output, get_w(), target, get_b(), group=group, sequence_parallel=sequence_parallel,
-                ignore_index=ignore_index, reduction="sum", policy=loss.policy, **options,
-            )
-
-        loss.fn = fn
-        return loss
+    @property
+    def policy(self) -> _policy.ChunkPolicy | None:
+        """The chunk policy of a :meth:`linear` loss (None for others)."""
+        return getattr(self.fn, "policy", None)
 
     def configure(self, schedule) -> "PipelineLoss":
         """Adapt to a built schedule instance (called by :meth:`step`; call it yourself once if you
@@ -252,12 +238,11 @@ class PipelineLoss:
         Zero-bubble schedules run the loss node's backward twice (input pass, then weight pass);
         the op serves both, whether its gradients were made in forward or are recomputed. Not
         called from inside the loss, so the loss call stays pure."""
-        if self.policy is None:
-            return self
-        try:
-            self.policy = replace(self.policy, microbatches_in_flight=microbatches_in_flight(schedule))
-        except ValueError:
-            pass
+        if isinstance(self.fn, _LinearStageLoss):
+            try:
+                self.fn.policy = replace(self.fn.policy, microbatches_in_flight=microbatches_in_flight(schedule))
+            except ValueError:
+                pass
         return self
 
     # -- the call -----------------------------------------------------------------------------
@@ -329,18 +314,34 @@ def _no_reduction(options: dict) -> None:
         raise TypeError("PipelineLoss sets reduction='sum' itself (and divides by the global token count)")
 
 
-def _sequence_shard(hidden, target, group, dim: int):
-    """This TP rank's ``torch.chunk`` slice of the full microbatch target along ``dim`` when the
-    target does not already match the (sequence-sharded) hidden states."""
-    h = _local(hidden)
-    t = _local(target)
-    if tuple(t.shape) == tuple(h.shape[:-1]):
+class _LinearStageLoss:
+    """``fn(output, target)`` of :meth:`PipelineLoss.linear`: the SUM loss of one microbatch with
+    the lm_head shard looked up at call time; ``policy`` follows the schedule (``configure``)."""
+
+    def __init__(self, weight, bias, policy: _policy.ChunkPolicy, options: dict, sequence_dim: int):
+        self.get_weight = weight if callable(weight) and not isinstance(weight, torch.Tensor) else (lambda: weight)
+        self.get_bias = bias if callable(bias) and not isinstance(bias, torch.Tensor) else (lambda: bias)
+        self.policy = policy
+        self.options = options
+        self.sequence_dim = sequence_dim
+
+    def __call__(self, output, target):
+        if self.options["sequence_parallel"]:
+            target = sequence_shard(output, target, group=self.options["group"], dim=self.sequence_dim)
+        return _linear_cross_entropy(output, self.get_weight(), target, self.get_bias(), reduction="sum",
+                                     policy=self.policy, **self.options)
+
+
+def sequence_shard(hidden, target, *, group, dim: int = 1):
+    """The labels of this rank's sequence shard: with sequence parallelism the hidden states
+    ``[B, S/tp, H]`` are this TP rank's ``torch.chunk`` of the sequence, and the labels ``[B, S]`` of
+    the full sequence are cut the same way along ``dim``. Labels that already match the hidden
+    states' token dims are returned as they are."""
+    h, t = _local(hidden), _local(target)
+    group = comm.resolve_group(group)
+    if tuple(t.shape) == tuple(h.shape[:-1]) or not comm.is_sharded(group):
         return t
-    group = resolve_group(group)
-    if group is None or dist.get_world_size(group) == 1:
-        return t
-    start, size = shard_range(t.shape[dim], dist.get_world_size(group), dist.get_rank(group))
-    return t.narrow(dim, start, size)
+    return shard_of(t, comm.world_size(group), comm.rank(group), dim)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -474,20 +475,15 @@ def step_loss(losses, *, pp_group=None, src: int | None = None, dp_group=None, d
     value = torch.zeros((), dtype=torch.float64, device=device)
     for loss in losses:
         value = value + loss.detach().to(device=device, dtype=torch.float64)
-    pp = resolve_group(pp_group)
-    if pp is not None and dist.get_world_size(pp) > 1:
-        if src is None:
-            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=pp)
-        else:
-            dist.broadcast(value, src=dist.get_global_rank(pp, int(src)), group=pp)
-    dp = resolve_group(dp_group)
-    if dp is not None and dist.get_world_size(dp) > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=dp)
-    return value
+    pp = comm.resolve_group(pp_group)
+    if src is None:
+        comm.all_reduce_sum_(value, pp)
+    else:
+        comm.broadcast_(value, pp, int(src))
+    return comm.all_reduce_sum_(value, comm.resolve_group(dp_group))
 
 
 def _group_device(group) -> torch.device:
-    group = resolve_group(group)
-    if group is not None and dist.get_backend(group) == "nccl" and torch.cuda.is_available():
+    if comm.backend(comm.resolve_group(group)) == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

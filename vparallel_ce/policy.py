@@ -1,8 +1,20 @@
-"""The chunk policy: how many chunks, which schedule, and whether gradients are made in forward.
+"""The chunk policy: which schedule, how many chunks, and whether gradients are made in forward.
 
 Pure functions of their arguments -- no device queries, no clocks, no RNG -- so every rank of a
 group computes the same answer (ranks that disagree on the chunk count would deadlock in the
-per-chunk collectives).
+per-chunk collectives). The ops call :meth:`ChunkPolicy.plan` with their own arguments, and
+:func:`explain` formats the same :class:`Plan`, so what ``explain`` prints is what the call runs.
+
+Precedence (``docs/api.md``), each knob deciding one thing:
+
+1. ``schedule``: ``"token"`` or ``"vocab"`` is used as given. ``"auto"`` with an integer ``chunks``
+   means token chunks (``chunks=1``: no chunking, 3 matmuls). ``"auto"`` with ``chunks="auto"``: the
+   memory model below picks.
+2. ``chunks``: an integer is the token-chunk or vocab-block count (capped by the tokens / the
+   128-column block rounding); ``"auto"`` sizes chunks from the budget.
+3. ``recompute``: ``True`` recomputes the logits in backward, ``False`` makes the gradients in
+   forward (mean/sum only); ``None``: in forward for the token schedule with at most one microbatch in
+   flight, else recompute.
 
 Memory model (bytes, per rank, ``V_loc = ceil(V / tp)``):
 
@@ -21,9 +33,11 @@ defaults.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
+
+from .layout import vocab_blocks
 
 __all__ = ["ChunkPolicy", "Plan", "choose_chunks", "choose_plan", "explain", "DEFAULT_POLICY"]
 
@@ -33,16 +47,19 @@ GiB = 1024**3
 @dataclass(frozen=True)
 class Plan:
     """What an op will do: ``schedule`` is ``"token"`` (chunks of tokens) or ``"vocab"`` (blocks of
-    the local vocab, linear op only); ``chunks`` counts the token chunks or vocab blocks."""
+    the local vocab, linear op only); ``chunks`` counts the token chunks or vocab blocks the call
+    will run; ``grad_in_forward`` whether mean/sum gradients are made in forward. ``why`` gives the
+    reason for each choice (not part of equality)."""
 
     schedule: str
     chunks: int
     grad_in_forward: bool
+    why: tuple[str, ...] = field(default=(), compare=False)
 
 
 @dataclass(frozen=True)
 class ChunkPolicy:
-    """The inputs of the chunk decision beyond the shapes.
+    """The inputs of the chunk decision beyond the shapes and the call's own knobs.
 
     Attributes:
         budget_bytes: bound on one chunk's fp32 logits (``tokens/chunk * V_loc * 4``); None = the
@@ -51,56 +68,117 @@ class ChunkPolicy:
         block_columns: the vocab schedule's preferred block width: its time is flat while blocks
             stay this wide, so it uses at least ``ceil(V_loc / block_columns)`` blocks.
         microbatches_in_flight: forward passes whose saved state is alive at once on this stage
-            (1 without PP or under 1F1B; the microbatch count under GPipe).
-        grad_in_forward: force (True/False) or let the memory model decide (None) whether
-            mean/sum losses compute their gradients during forward.
+            (1 without PP or under 1F1B; the microbatch count under GPipe). With ``recompute=None``
+            more than one turns gradients-in-forward off.
     """
 
     budget_bytes: int | None = None
     min_chunk_tokens: int = 1024
     block_columns: int = 8192
     microbatches_in_flight: int = 1
-    grad_in_forward: bool | None = None
+
+    @property
+    def budget(self) -> int:
+        return DEFAULT_BUDGET_BYTES if self.budget_bytes is None else int(self.budget_bytes)
 
     def chunks(self, num_tokens: int, vocab_size: int, tp_degree: int = 1) -> int:
         """Token chunks for ``num_tokens`` tokens of one microbatch on this rank."""
         if num_tokens <= 0:
             return 1
         row = local_vocab(vocab_size, tp_degree) * 4
-        budget = DEFAULT_BUDGET_BYTES if self.budget_bytes is None else int(self.budget_bytes)
         if row == 0:
             return 1
-        if budget < row:  # not even one token's row fits: one token per chunk
+        if self.budget < row:  # not even one token's row fits: one token per chunk
             return num_tokens
-        k = math.ceil(num_tokens / (budget // row))  # whole rows per chunk, so the bound holds
+        k = math.ceil(num_tokens / (self.budget // row))  # whole rows per chunk, so the bound holds
         if self.budget_bytes is None:
             k = min(k, math.ceil(num_tokens / self.min_chunk_tokens))
         return max(1, min(k, num_tokens))
 
-    def plan(self, num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int,
-             reduction: str = "mean", schedule: str = "auto") -> Plan:
-        """The full plan of ``linear_cross_entropy`` for one call."""
+    def plan(self, num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,
+             reduction: str = "mean", chunks: int | str = "auto", schedule: str = "auto",
+             recompute: bool | None = None) -> Plan:
+        """The plan of one call. ``hidden_size=None`` plans ``cross_entropy`` (logits given: token
+        chunks, gradients in backward); otherwise ``linear_cross_entropy`` with the call's
+        ``chunks``, ``schedule`` and ``recompute`` (precedence in the module docstring)."""
         v_loc = local_vocab(vocab_size, tp_degree)
-        budget = DEFAULT_BUDGET_BYTES if self.budget_bytes is None else int(self.budget_bytes)
-        k = min(self.chunks(num_tokens, vocab_size, tp_degree), max(v_loc, 1))
-        if schedule == "auto":
+        why = []
+        if hidden_size is None:
+            k = self.chunks(num_tokens, vocab_size, tp_degree) if chunks == "auto" else int(chunks)
+            why.append(_budget_reason(self, num_tokens, v_loc, k) if chunks == "auto" else f"chunks={k} as given")
+            return Plan("token", _token_chunks(k, num_tokens), False, tuple(why))
+        k0 = min(self.chunks(num_tokens, vocab_size, tp_degree), max(v_loc, 1))
+        sized = False  # whether a reason for the count is given yet
+        if schedule != "auto":
+            why.append(f"schedule={schedule!r} as given")
+        elif chunks != "auto":
+            schedule = "token"
+            why.append(f"chunks={chunks} with schedule='auto' means token chunks")
+            sized = True
+        else:
             # one chunk: 3 matmuls, no accumulator (dW comes out of one matmul) -- the fastest point.
             # Several: the token schedule's fp32 dW accumulator (4 V_loc H bytes) does not shrink
             # with more chunks; past the budget walk the vocab instead (4 matmuls, memory at the floor)
             accumulator = v_loc * hidden_size * 4
-            schedule = "token" if k == 1 or accumulator <= budget else "vocab"
-        if schedule == "vocab":
+            if k0 == 1 or accumulator <= self.budget:
+                schedule, sized = "token", True
+                why.append(_budget_reason(self, num_tokens, v_loc, k0) + (
+                    "" if k0 == 1 else f"; the fp32 dW accumulator ({accumulator / GiB:.2f} GiB) fits too"))
+            else:
+                schedule = "vocab"
+                why.append(f"token chunks would need an fp32 dW accumulator of {accumulator / GiB:.2f} GiB, over "
+                           f"the {self.budget / GiB:.2f} GiB budget, so vocab blocks (dW of each from one matmul)")
+        if chunks != "auto":
+            k = _token_chunks(chunks, num_tokens) if schedule == "token" else int(chunks)
+            if not sized:
+                why.append(f"chunks={chunks} as given")
+        elif schedule == "token":
+            k = k0
+            if not sized:
+                why.append(_budget_reason(self, num_tokens, v_loc, k))
+        else:
             # blocks of the local vocab over all tokens: the budget bounds one block's fp32 logits,
             # and blocks of ~block_columns cost no time over one block (docs/policy.md)
             fp32 = num_tokens * v_loc * 4
-            k = max(math.ceil(fp32 / max(budget, 1)), math.ceil(v_loc / self.block_columns), 1)
-            k = min(k, max(v_loc, 1))
-        gif = self.grad_in_forward
-        if gif is None:
-            # grads made in forward stay alive until backward: dW (a full lm_head shard) and dh per
-            # microbatch in flight. Under GPipe that is M shards at once, so recompute instead.
-            gif = schedule == "token" and self.microbatches_in_flight <= 1
-        return Plan(schedule, k, bool(gif) and reduction != "none")
+            k = max(math.ceil(fp32 / max(self.budget, 1)), math.ceil(v_loc / self.block_columns), 1)
+            why.append(f"{k} blocks: one block's fp32 logits within the budget and blocks of at most "
+                       f"~{self.block_columns} columns")
+        if schedule == "vocab":
+            k = len(vocab_blocks(v_loc, k))  # the count the 128-column rounding realises
+        if recompute is not None:
+            gif = not recompute
+            why.append(f"recompute={recompute} as given")
+        elif reduction == "none":
+            gif = False
+            why.append("reduction='none': the upstream gradient is known only in backward, so recompute")
+        elif schedule == "token" and self.microbatches_in_flight <= 1:
+            gif = True
+            why.append("gradients made in forward (3 matmuls): at most one microbatch in flight holds them")
+        elif schedule == "token":
+            gif = False
+            why.append(f"{self.microbatches_in_flight} microbatches in flight would each hold dW from forward to "
+                       "backward, so recompute")
+        else:
+            gif = False
+            why.append("vocab blocks recompute their logits in backward (memory at the floor)")
+        return Plan(schedule, k, gif, tuple(why))
+
+
+def _token_chunks(k: int, num_tokens: int) -> int:
+    return max(1, min(int(k), max(num_tokens, 1)))
+
+
+def _budget_reason(policy: ChunkPolicy, num_tokens: int, v_loc: int, k: int) -> str:
+    full = num_tokens * v_loc * 4
+    text = (f"{num_tokens} tokens x V_loc={v_loc} make {full / GiB:.2f} GiB of fp32 logits against a "
+            f"{'default ' if policy.budget_bytes is None else ''}budget of {policy.budget / GiB:.2f} GiB: ")
+    if k == 1:
+        return text + "they fit in one chunk"
+    per = math.ceil(num_tokens / k)
+    text += f"{k} chunks of <= {per} tokens ({per * v_loc * 4 / GiB:.2f} GiB each)"
+    if policy.budget_bytes is None and k == math.ceil(num_tokens / policy.min_chunk_tokens):
+        text += f", capped so no chunk is smaller than {policy.min_chunk_tokens} tokens"
+    return text
 
 
 def local_vocab(vocab_size: int, tp_degree: int) -> int:
@@ -114,7 +192,8 @@ DEFAULT_POLICY = ChunkPolicy()
 
 def choose_chunks(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, dtype: torch.dtype = torch.bfloat16,
                   budget_bytes: int | None = None) -> int:
-    """Chunk count for ``chunks="auto"``: the fewest chunks whose fp32 logits fit the budget.
+    """Chunk count of ``cross_entropy(..., chunks="auto")``: the fewest chunks whose fp32 logits fit
+    the budget.
 
     Args:
         num_tokens: tokens in one microbatch on this rank.
@@ -129,39 +208,33 @@ def choose_chunks(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, dtype
     return replace(DEFAULT_POLICY, budget_bytes=budget_bytes).chunks(num_tokens, vocab_size, tp_degree)
 
 
-def choose_plan(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int,
-                reduction: str = "mean", policy: ChunkPolicy | None = None, schedule: str = "auto") -> Plan:
-    """:class:`Plan` for ``linear_cross_entropy`` (schedule, chunk count, grads in forward)."""
+def choose_plan(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,
+                reduction: str = "mean", policy: ChunkPolicy | None = None, chunks: int | str = "auto",
+                schedule: str = "auto", recompute: bool | None = None) -> Plan:
+    """The :class:`Plan` a call with these arguments runs (``hidden_size=None``: ``cross_entropy``)."""
     return (policy or DEFAULT_POLICY).plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size,
-                                           reduction=reduction, schedule=schedule)
+                                           reduction=reduction, chunks=chunks, schedule=schedule,
+                                           recompute=recompute)
 
 
 def explain(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,
-            policy: ChunkPolicy | None = None) -> str:
-    """One paragraph saying what the policy picks and why."""
+            reduction: str = "mean", policy: ChunkPolicy | None = None, chunks: int | str = "auto",
+            schedule: str = "auto", recompute: bool | None = None) -> str:
+    """One paragraph: the plan a call with these arguments runs, and why. The arguments are the
+    call's own (``num_tokens`` over the whole group with sequence parallelism); ``hidden_size=None``
+    explains ``cross_entropy``, a hidden size ``linear_cross_entropy``."""
     policy = policy or DEFAULT_POLICY
-    v_loc = local_vocab(vocab_size, tp_degree)
-    budget = DEFAULT_BUDGET_BYTES if policy.budget_bytes is None else policy.budget_bytes
-    full = num_tokens * v_loc * 4
-    k = policy.chunks(num_tokens, vocab_size, tp_degree)
-    text = (
-        f"{num_tokens} tokens x V_loc={v_loc} (V={vocab_size} over tp={tp_degree}) make {full / GiB:.2f} GiB of "
-        f"fp32 logits against a {'default ' if policy.budget_bytes is None else ''}budget of {budget / GiB:.2f} GiB: "
-    )
-    if k == 1:
-        text += "they fit, so one chunk (no chunking overhead)."
-    else:
-        per = math.ceil(num_tokens / k)
-        text += f"{k} chunks of <= {per} tokens ({per * v_loc * 4 / GiB:.2f} GiB each)"
-        if policy.budget_bytes is None and k == math.ceil(num_tokens / policy.min_chunk_tokens):
-            text += f", capped so no chunk is smaller than {policy.min_chunk_tokens} tokens"
-        text += "."
-    if hidden_size is not None:
-        p = policy.plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size)
-        text += (
-            f" linear_cross_entropy: {p.schedule}-chunked schedule with {p.chunks} "
-            f"{'token chunks' if p.schedule == 'token' else 'vocab blocks'}, gradients "
-            f"{'made in forward (3 matmuls)' if p.grad_in_forward else 'recomputed in backward'}; "
-            f"{policy.microbatches_in_flight} microbatch(es) in flight."
-        )
-    return text
+    p = policy.plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, reduction=reduction,
+                    chunks=chunks, schedule=schedule, recompute=recompute)
+    op = "cross_entropy" if hidden_size is None else "linear_cross_entropy"
+    unit = "token chunk" if p.schedule == "token" else "vocab block"
+    grads = "in backward" if hidden_size is None else (
+        "made in forward" if p.grad_in_forward else "recomputed in backward")
+    matmuls = "" if hidden_size is None else f", {_matmuls(p)} matmuls of 2*N*H*V_loc FLOPs"
+    return (f"{op} (V={vocab_size} over tp={tp_degree}, {policy.microbatches_in_flight} microbatch(es) in flight): "
+            f"{p.schedule} schedule, {p.chunks} {unit}{'s' if p.chunks != 1 else ''}, gradients {grads}{matmuls}. "
+            f"Why: {'; '.join(p.why)}.")
+
+
+def _matmuls(p: Plan) -> int:
+    return 3 if p.schedule == "token" and p.grad_in_forward else 4

@@ -17,14 +17,15 @@ name (aliases)                module                                 call
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from . import comm
+from .call import is_dtensor
 from .cross_entropy import cross_entropy
-from .layout import all_gather_last_dim, is_dtensor, resolve_group, vocab_layout
 from .linear import linear_cross_entropy
 from .stats import compute_dtype
+from .validate import agree
 
 __all__ = ["build_loss_fn", "PlainCrossEntropy", "VocabParallelCrossEntropy", "LinearCrossEntropy", "LOSSES"]
 
@@ -62,10 +63,10 @@ class PlainCrossEntropy(_LossModule):
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         opts = dict(self.options)
-        group = resolve_group(opts.pop("group", None))
+        group = comm.resolve_group(opts.pop("group", None))
         if is_dtensor(logits):
             logits = logits.full_tensor()
-        elif group is not None and dist.get_world_size(group) > 1:
+        elif comm.is_sharded(group):
             logits = _gather_vocab(logits, group)
         if is_dtensor(target):
             target = target.full_tensor()
@@ -86,7 +87,7 @@ class PlainCrossEntropy(_LossModule):
 
 
 def _gather_vocab(x: torch.Tensor, group) -> torch.Tensor:
-    lay = vocab_layout(x.shape[-1], group, device=x.device)
+    lay = agree(None, group, local_size=lambda: x.shape[-1], facts={}, device=x.device, vocab_size=None, check=True)
     return _GatherVocab.apply(x, lay)
 
 
@@ -98,7 +99,7 @@ class _GatherVocab(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, lay):
         ctx.lay = lay
-        return all_gather_last_dim(x, lay)
+        return comm.all_gather_last_dim(x, lay.group, lay.sizes())
 
     @staticmethod
     def backward(ctx, grad):

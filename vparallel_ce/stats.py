@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import layout as _layout
+from . import comm
 
 __all__ = ["LossSpec", "ChunkStats", "TokenStats", "local_stats", "merge", "combine", "token_loss", "grad_logits"]
 
@@ -124,9 +124,9 @@ def merge(a: ChunkStats, b: ChunkStats) -> ChunkStats:
 
 def combine(stats: ChunkStats, layout) -> TokenStats:
     """Steps 2-3: join the ranks' statistics -- one all-reduce MAX and one fused all-reduce SUM."""
-    m = _layout.all_reduce_max_(stats.max.clone(), layout)
+    m = comm.all_reduce_max_(stats.max.clone(), layout.group)
     packed = torch.stack([_rescale(stats.sumexp, stats.max, m), stats.target, stats.sum, stats.owned])
-    _layout.all_reduce_sum_(packed, layout)
+    comm.all_reduce_sum_(packed, layout.group)
     sumexp, target, total, owned = packed.unbind(0)
     return TokenStats(m + torch.log(sumexp), target, total, owned)
 
@@ -175,9 +175,10 @@ def grad_logits(
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def token_slices(n: int, chunks: int) -> list[slice]:
-    """Contiguous slices of ``n`` rows in ``chunks`` near-equal parts (``torch.tensor_split`` sizes)."""
-    k = max(1, min(int(chunks), max(n, 1)))
+def token_slices(n: int, chunks: int, *, exact: bool = False) -> list[slice]:
+    """Contiguous slices of ``n`` rows in ``chunks`` near-equal parts (``torch.tensor_split`` sizes):
+    at most ``n`` of them, or exactly ``chunks`` (some empty) with ``exact``."""
+    k = max(1, int(chunks) if exact else min(int(chunks), max(n, 1)))
     q, r = divmod(n, k)
     bounds = [0]
     for i in range(k):

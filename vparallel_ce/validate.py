@@ -1,21 +1,27 @@
-"""Argument checks, phrased so the user can fix the call.
+"""Argument checks, phrased so the user can fix the call, and the cross-rank agreement.
 
-The checks here are local: each returns a :class:`Problem` (or None) instead of raising, so the op can
-share "some rank's input is bad" with the group in the one metadata exchange it makes anyway
-(:func:`vparallel_ce.layout.vocab_layout`) and raise on EVERY rank -- a rank that raised alone would
-leave the others waiting in the next collective. Out-of-range targets are detected later, from the
-all-reduced ownership count (see :mod:`vparallel_ce.stats`), which every rank sees identically.
+The local checks return a :class:`Problem` (or None) instead of raising, so that "some rank's input
+is bad" travels through the one metadata exchange every call makes anyway (:func:`agree`) and the
+error is raised on EVERY rank -- a rank that raised alone would leave the others waiting in the
+next collective. Out-of-range targets are detected later, from the all-reduced ownership count
+(:func:`check_owned`), which every rank sees identically.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from . import comm
+from .layout import VocabLayout, shard_sizes
 from .stats import REDUCTIONS
 
-__all__ = ["Problem", "InvalidInputError", "check_options", "check_logits", "check_linear", "raise_if", "check_owned"]
+__all__ = ["Problem", "InvalidInputError", "check_options", "check_logits", "check_linear", "agree", "check_owned",
+           "SCHEDULES"]
+
+SCHEDULES = ("auto", "token", "vocab")
 
 
 class InvalidInputError(ValueError):
@@ -31,57 +37,71 @@ class Problem:
         raise self.exc(self.message)
 
 
-def raise_if(problem: Problem | None) -> None:
-    if problem is not None:
-        problem.raise_()
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
-def check_options(*, reduction, label_smoothing, z_loss, softcap, chunks) -> Problem | None:
-    if reduction not in REDUCTIONS:
-        return Problem(ValueError, f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if not 0.0 <= float(label_smoothing) <= 1.0:
-        return Problem(ValueError, f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if float(z_loss) < 0:
-        return Problem(ValueError, f"z_loss must be >= 0, got {z_loss}")
-    if softcap is not None and not float(softcap) > 0:
-        return Problem(ValueError, f"softcap must be a positive number or None, got {softcap}")
-    if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
-        return Problem(ValueError, f"chunks must be an int >= 1 or 'auto', got {chunks!r}")
+def check_options(**options) -> Problem | None:
+    """Check the keyword options a call was given (only those named)."""
+    checks = {
+        "reduction": (lambda v: v in REDUCTIONS, f"one of {REDUCTIONS}"),
+        "ignore_index": (_is_int, "an int"),
+        "label_smoothing": (lambda v: 0.0 <= float(v) <= 1.0, "in [0, 1]"),
+        "z_loss": (lambda v: float(v) >= 0, ">= 0"),
+        "softcap": (lambda v: v is None or float(v) > 0, "a positive number or None"),
+        "temperature": (lambda v: not isinstance(v, bool) and float(v) > 0, "a positive number"),
+        "chunks": (lambda v: v == "auto" or (_is_int(v) and v >= 1), "an int >= 1 or 'auto'"),
+        "schedule": (lambda v: v in SCHEDULES, f"one of {SCHEDULES}"),
+        "recompute": (lambda v: v is None or isinstance(v, bool), "True, False or None"),
+    }
+    for name, value in options.items():
+        ok, wanted = checks[name]
+        try:
+            good = ok(value)
+        except (TypeError, ValueError):
+            good = False
+        if not good:
+            return Problem(ValueError, f"{name} must be {wanted}, got {value!r}")
+    if options.get("recompute") is False and options.get("reduction") == "none":
+        return Problem(ValueError, "recompute=False (gradients made in forward) needs reduction 'mean' or 'sum': "
+                                   "with reduction='none' the upstream gradient is only known in backward")
     return None
 
 
-def _check_target(target: torch.Tensor, token_shape, what: str) -> Problem | None:
+def _check_target(target, token_shape, what: str, device) -> Problem | None:
     if not isinstance(target, torch.Tensor):
         return Problem(TypeError, f"target must be a tensor, got {type(target).__name__}")
     if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
         return Problem(TypeError, f"target must hold integer class ids, got dtype {target.dtype}")
     if tuple(target.shape) != tuple(token_shape):
-        return Problem(
-            ValueError,
-            f"target shape {tuple(target.shape)} does not match {what} {tuple(token_shape)}",
-        )
+        return Problem(ValueError, f"target shape {tuple(target.shape)} does not match {what} {tuple(token_shape)}")
+    if target.device != device:
+        return Problem(ValueError, f"target is on {target.device} but the inputs are on {device}")
     return None
 
 
-def check_logits(logits: torch.Tensor, target: torch.Tensor) -> Problem | None:
-    if not isinstance(logits, torch.Tensor):
-        return Problem(TypeError, f"logits must be a tensor, got {type(logits).__name__}")
-    if not logits.is_floating_point():
-        return Problem(TypeError, f"logits must be a floating-point tensor, got dtype {logits.dtype}")
-    if logits.dim() < 1:
-        return Problem(ValueError, "logits must have at least one dim (the vocab shard)")
-    problem = _check_target(target, logits.shape[:-1], "the logits' token dims (logits.shape[:-1])")
-    if problem is None and target.device != logits.device:
-        problem = Problem(ValueError, f"target is on {target.device} but logits are on {logits.device}")
-    return problem
+def _check_float(name: str, t) -> Problem | None:
+    if not isinstance(t, torch.Tensor):
+        return Problem(TypeError, f"{name} must be a tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        return Problem(TypeError, f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    return None
 
 
-def check_linear(hidden, weight, target, bias) -> Problem | None:
-    for name, t in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(t, torch.Tensor):
-            return Problem(TypeError, f"{name} must be a tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            return Problem(TypeError, f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+def check_logits(logits, target) -> Problem | None:
+    problem = _check_float("logits", logits)
+    if problem is None and logits.dim() < 1:
+        problem = Problem(ValueError, "logits must have at least one dim (the vocab shard)")
+    return problem or _check_target(target, logits.shape[:-1], "the logits' token dims (logits.shape[:-1])",
+                                    logits.device)
+
+
+def check_linear(hidden, weight, target, bias, *, autocast_dtype: torch.dtype | None) -> Problem | None:
+    """``autocast_dtype``: the enclosing ``torch.autocast`` dtype (None outside autocast), under which
+    hidden, weight and bias may differ in dtype, as ``F.linear``'s inputs may there."""
+    problem = _check_float("hidden", hidden) or _check_float("weight", weight)
+    if problem is not None:
+        return problem
     if weight.dim() != 2:
         return Problem(ValueError, f"weight must be [V_local, H], got shape {tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
@@ -90,20 +110,108 @@ def check_linear(hidden, weight, target, bias) -> Problem | None:
             f"hidden's last dim ({hidden.shape[-1] if hidden.dim() else None}) does not match "
             f"weight's hidden size ({weight.shape[1]}); weight must be [V_local, H]",
         )
-    if hidden.dtype != weight.dtype:
-        return Problem(TypeError, f"hidden dtype {hidden.dtype} differs from weight dtype {weight.dtype}")
     if hidden.device != weight.device:
         return Problem(ValueError, f"hidden is on {hidden.device} but weight is on {weight.device}")
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],):
             shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
             return Problem(ValueError, f"bias must be [V_local]=[{weight.shape[0]}], got {shape}")
-        if bias.dtype != weight.dtype or bias.device != weight.device:
-            return Problem(TypeError, f"bias must match weight's dtype/device ({weight.dtype}, {weight.device})")
-    problem = _check_target(target, hidden.shape[:-1], "hidden's token dims (hidden.shape[:-1])")
-    if problem is None and target.device != hidden.device:
-        problem = Problem(ValueError, f"target is on {target.device} but hidden is on {hidden.device}")
-    return problem
+        if bias.device != weight.device or not bias.is_floating_point():
+            return Problem(TypeError, f"bias must be a float tensor on weight's device ({weight.device})")
+    dtypes = {t.dtype for t in (hidden, weight, bias) if t is not None}
+    if len(dtypes) > 1 and (autocast_dtype is None or torch.float64 in dtypes):
+        names = ", ".join(f"{n} {t.dtype}" for n, t in (("hidden", hidden), ("weight", weight), ("bias", bias))
+                          if t is not None)
+        return Problem(
+            TypeError,
+            f"dtypes differ ({names}): outside torch.autocast the inputs must share one dtype. Run the call "
+            f"inside torch.autocast('{hidden.device.type}', dtype=torch.bfloat16) as an AMP model's lm_head does "
+            "(matmuls in bf16, gradients in each input's dtype), or cast hidden to the weight's dtype",
+        )
+    return _check_target(target, hidden.shape[:-1], "hidden's token dims (hidden.shape[:-1])", hidden.device)
+
+
+def agree(
+    problem: Problem | None,
+    group,
+    *,
+    local_size: Callable[[], int],
+    facts: dict[str, Callable[[], object]],
+    device,
+    vocab_size: int | None,
+    check: bool,
+) -> VocabLayout:
+    """The one metadata exchange of a call: raise ``problem`` on every rank, check that the ranks
+    agree on ``facts`` and that the shard sizes form the torch.chunk layout; return the layout.
+
+    Args:
+        problem: this rank's local input problem, or None.
+        group: resolved ProcessGroup or None.
+        local_size: this rank's vocab rows (called only when ``problem`` is None).
+        facts: named integers that must be equal on every rank (token count, chunk option, ...):
+            ranks that disagree on the chunk count would otherwise deadlock in the per-chunk
+            collectives. Called only when ``problem`` is None (0 is sent otherwise), so a call with
+            bad input still sends the same keys and the exchange always matches up.
+        vocab_size: the global vocab size if the caller knows it (a DTensor does).
+        check: exchange (one all-gather of a few int64s) and check. Needed anyway when ``vocab_size``
+            is unknown; skipped otherwise with ``check=False``, and then a problem raises locally.
+    """
+    world = comm.world_size(group)
+    if problem is not None and (world == 1 or not (check or vocab_size is None)):
+        problem.raise_()
+    if world == 1:
+        v = local_size() if vocab_size is None else vocab_size
+        if v != local_size():
+            raise ValueError(f"vocab_size={vocab_size} but the unsharded input has {local_size()} classes")
+        return VocabLayout.of_rank(None, 1, 0, v)
+    me = comm.rank(group)
+    if check or vocab_size is None:
+        names = sorted(facts)
+        ok = problem is None
+        mine = [int(not ok), local_size() if ok else 0, -1 if vocab_size is None else vocab_size]
+        mine += [facts[n]() if ok else 0 for n in names]
+        rows = comm.all_gather_ints(mine, group, device)
+        if problem is not None:
+            problem.raise_()
+        bad = [r for r, row in enumerate(rows) if row[0]]
+        if bad:
+            raise InvalidInputError(f"invalid input on rank(s) {bad} of the vocab-parallel group (see the error there)")
+        vocab_size = _check_rows([row[1:] for row in rows], names, vocab_size, world)
+    lay = VocabLayout.of_rank(group, world, me, vocab_size)
+    if lay.local_size != local_size():
+        raise ValueError(
+            f"rank {me} holds {local_size()} vocab rows, but the torch.chunk layout of V={vocab_size} "
+            f"over {world} ranks gives it {lay.local_size}"
+        )
+    return lay
+
+
+def _check_rows(rows: list[list[int]], names: list[str], vocab_size: int | None, world: int) -> int:
+    """Raise the same error on every rank when the ranks disagree (all ranks hold all rows)."""
+    claims = {row[1] for row in rows}
+    if len(claims) > 1:
+        raise ValueError(f"ranks of the group disagree on vocab_size: {sorted(claims)}")
+    for i, name in enumerate(names):
+        values = [row[2 + i] for row in rows]
+        if len(set(values)) > 1:
+            raise ValueError(
+                f"ranks of the vocab-parallel group disagree on {name}: {values} "
+                "(every rank of the group must pass the same tokens and options)"
+            )
+    sizes = [row[0] for row in rows]
+    total = sum(sizes)
+    if vocab_size is not None and total != vocab_size:
+        raise ValueError(
+            f"shard sizes {sizes} add up to {total}, but vocab_size is {vocab_size}: "
+            "each rank must pass its torch.chunk slice of the vocab"
+        )
+    expected = shard_sizes(total, world)
+    if sizes != expected:
+        raise ValueError(
+            f"vocab shard sizes over the group are {sizes}; the torch.chunk layout of V={total} "
+            f"over {world} ranks is {expected} (rank r must hold torch.chunk(full, {world}, -1)[r])"
+        )
+    return total
 
 
 def check_owned(owned_total: torch.Tensor, valid: torch.Tensor, target: torch.Tensor, vocab_size: int) -> None:

@@ -1,0 +1,252 @@
+"""The front door: every entry point turns its arguments into one frozen :class:`Call`.
+
+``cross_entropy``, ``linear_cross_entropy`` -- and through them the registry's modules, the
+Megatron drop-in and the pipeline adapter -- go through the same steps, once per call, here:
+
+1. unwrap DTensor inputs to their local shards, taking the group (and the global vocab size) from
+   the mesh;
+2. resolve the group (ProcessGroup, 1-D DeviceMesh or None);
+3. validate the options and tensors locally (:mod:`vparallel_ce.validate`), and read the
+   enclosing ``torch.autocast`` state;
+4. one metadata exchange over the group (:func:`vparallel_ce.validate.agree`): a bad input on any
+   rank raises on every rank, the ranks agree on tokens and options, the shard sizes give the
+   :class:`~vparallel_ce.layout.VocabLayout`;
+5. the plan (:meth:`vparallel_ce.policy.ChunkPolicy.plan`) from the call's own knobs.
+
+The autograd Functions then read everything from the ``Call``; nothing after this module looks at
+user arguments again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import comm, policy as _policy
+from .layout import VocabLayout
+from .policy import Plan
+from .stats import LossSpec
+from .validate import agree, check_linear, check_logits, check_options, SCHEDULES
+
+__all__ = ["Call", "LogitsInputs", "LinearInputs", "logits_call", "linear_call", "autocast_dtype", "is_dtensor", "local"]
+
+
+@dataclass(frozen=True)
+class Call:
+    """Everything an op needs besides the tensors; identical in meaning on every rank.
+
+    Attributes:
+        layout: this rank's vocab shard in the group.
+        spec: the loss' math options and the global vocab size.
+        reduction: ``"mean"``, ``"sum"`` or ``"none"``.
+        plan: schedule, chunk count, gradients in forward or not.
+        check: the out-of-range target check is on.
+        sequence_parallel: hidden/target are this rank's token shard (linear op, sharded group only).
+        counts: the token count of every rank (sequence parallel) or of this rank.
+        matmul_dtype: the dtype of the lm_head matmuls (the autocast dtype inside ``torch.autocast``,
+            else the inputs' own); statistics and gradient sums are fp32 whatever it is.
+    """
+
+    layout: VocabLayout
+    spec: LossSpec
+    reduction: str
+    plan: Plan
+    check: bool
+    sequence_parallel: bool = False
+    counts: tuple[int, ...] = ()
+    matmul_dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class LogitsInputs:
+    x: torch.Tensor  # [N, V_local]
+    target: torch.Tensor  # [N]
+    shape: torch.Size  # target's shape, for reduction="none"
+
+
+@dataclass(frozen=True)
+class LinearInputs:
+    h: torch.Tensor  # [N, H]
+    w: torch.Tensor  # [V_local, H]
+    b: torch.Tensor | None  # [V_local]
+    target: torch.Tensor  # [N]
+    shape: torch.Size
+
+
+def logits_call(logits, target, *, group, vocab_size, reduction, chunks, check, policy=None,
+                **loss_options) -> tuple[Call, LogitsInputs]:
+    """The front door of ops over vocab-sharded logits ``[..., V_local]``."""
+    logits, target, group, vocab_size = _unwrap_logits(logits, target, group, vocab_size)
+    group = comm.resolve_group(group)
+    problem = check_options(reduction=reduction, chunks=chunks, **loss_options) or check_logits(logits, target)
+    facts = {"token count": lambda: target.numel(), "chunks option": lambda: _chunk_code(chunks),
+             "target checksum": lambda: target.sum()}
+    lay = agree(problem, group, local_size=lambda: logits.shape[-1], facts=facts, device=_device(logits),
+                vocab_size=vocab_size, check=check)
+    n = target.numel()
+    plan = (policy or _policy.DEFAULT_POLICY).plan(n, lay.vocab_size, lay.world, reduction=reduction, chunks=chunks)
+    call = Call(lay, _spec(lay, loss_options), reduction, plan, bool(check), counts=(n,))
+    return call, LogitsInputs(logits.reshape(n, lay.local_size), target.reshape(-1), target.shape)
+
+
+def linear_call(hidden, weight, target, bias, *, group, sequence_parallel, vocab_size, reduction, chunks, schedule,
+                recompute, policy, check, **loss_options) -> tuple[Call, LinearInputs]:
+    """The front door of ops over hidden states and this rank's lm_head shard ``[V_local, H]``."""
+    hidden, weight, target, bias, group, dt_vocab = _unwrap_linear(hidden, weight, target, bias, group,
+                                                                   sequence_parallel)
+    vocab_size = vocab_size if dt_vocab is None else dt_vocab
+    group = comm.resolve_group(group)
+    amp = autocast_dtype(weight.device) if isinstance(weight, torch.Tensor) else None
+    problem = check_options(reduction=reduction, chunks=chunks, schedule=schedule, recompute=recompute,
+                            **loss_options) or check_linear(hidden, weight, target, bias, autocast_dtype=amp)
+    sp = bool(sequence_parallel)
+    facts = {
+        "chunks option": lambda: _chunk_code(chunks),
+        "schedule option": lambda: SCHEDULES.index(schedule),
+        "recompute option": lambda: {None: -1, False: 0, True: 1}[recompute],
+        "hidden size": lambda: weight.shape[-1],
+        "sequence_parallel": lambda: int(sp),
+    }
+    if not sp:  # with sequence parallelism every rank holds other tokens
+        facts["token count"] = lambda: target.numel()
+        facts["target checksum"] = lambda: target.sum()
+    lay = agree(problem, group, local_size=lambda: weight.shape[0], facts=facts, device=_device(weight),
+                vocab_size=vocab_size, check=check)
+    n = target.numel()
+    sp = sp and lay.sharded
+    counts = tuple(row[0] for row in comm.all_gather_ints([n], lay.group, weight.device)) if sp else (n,)
+    plan = (policy or _policy.DEFAULT_POLICY).plan(
+        sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1], reduction=reduction, chunks=chunks,
+        schedule=schedule, recompute=recompute)
+    matmul_dtype = amp if amp is not None and weight.dtype != torch.float64 else weight.dtype
+    call = Call(lay, _spec(lay, loss_options), reduction, plan, bool(check), sp, counts, matmul_dtype)
+    inputs = LinearInputs(hidden.reshape(n, weight.shape[-1]), weight, bias, target.reshape(-1), target.shape)
+    return call, inputs
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The enclosing ``torch.autocast`` dtype for ``device``'s type, or None outside autocast."""
+    kind = device.type
+    if kind not in ("cuda", "cpu", "xpu", "hpu", "mps") or not torch.is_autocast_enabled(kind):
+        return None
+    return torch.get_autocast_dtype(kind)
+
+
+def _spec(lay: VocabLayout, options: dict) -> LossSpec:
+    softcap = options.get("softcap")
+    return LossSpec(lay.vocab_size, int(options.get("ignore_index", -100)), float(options.get("label_smoothing", 0.0)),
+                    float(options.get("z_loss", 0.0)), None if softcap is None else float(softcap))
+
+
+def _chunk_code(chunks) -> int:
+    return -1 if chunks == "auto" else int(chunks)
+
+
+def _device(t) -> torch.device:
+    return t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# DTensor inputs: find the mesh dim the vocab (or tokens) is sharded over and take the local shard.
+
+
+def _dtensor_cls():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return None
+    return DTensor
+
+
+def is_dtensor(t) -> bool:
+    cls = _dtensor_cls()
+    return cls is not None and isinstance(t, cls)
+
+
+def local(t):
+    """A DTensor's local shard; anything else as it is."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def _sharded_mesh_dim(t, dim: int, what: str):
+    """The single mesh dim over which DTensor ``t`` is ``Shard(dim)`` (None if none); the other
+    mesh dims must be Replicate."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    dim = dim % t.ndim
+    found = None
+    for mesh_dim, p in enumerate(t.placements):
+        if isinstance(p, Shard) and p.dim % t.ndim == dim:
+            found = mesh_dim
+        elif not isinstance(p, Replicate):
+            raise ValueError(
+                f"{what} is a DTensor with placements {tuple(t.placements)}: it must be Shard({dim}) over one "
+                "mesh dim and Replicate over the others"
+            )
+    return found
+
+
+def _group_of(t, mesh_dim, group, what):
+    mesh_group = t.device_mesh.get_group(mesh_dim)
+    if group is not None:
+        given = comm.world_size(comm.resolve_group(group))
+        if given != comm.world_size(mesh_group):
+            raise ValueError(
+                f"group has {given} ranks but {what}'s DTensor mesh dim {mesh_dim} has "
+                f"{comm.world_size(mesh_group)}"
+            )
+    return mesh_group
+
+
+def _replicated(t, what: str):
+    """A replicated DTensor's local tensor; plain tensors pass through."""
+    if not is_dtensor(t):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    if not all(isinstance(p, Replicate) for p in t.placements):
+        raise ValueError(f"{what} is a DTensor with placements {tuple(t.placements)}; it must be replicated")
+    return t.to_local()
+
+
+def _unwrap_logits(logits, target, group, vocab_size):
+    """DTensor logits sharded on the last dim -> (local logits, target, group, V)."""
+    if not is_dtensor(logits):
+        return logits, _replicated(target, "target"), group, vocab_size
+    mesh_dim = _sharded_mesh_dim(logits, -1, "logits")
+    full_v = logits.shape[-1]
+    if mesh_dim is None:
+        raise ValueError(
+            f"logits is a DTensor with placements {tuple(logits.placements)}: it must be sharded on its last "
+            "(vocab) dim, e.g. the output of ColwiseParallel(use_local_output=False)"
+        )
+    if vocab_size is not None and vocab_size != full_v:
+        raise ValueError(f"vocab_size={vocab_size} but the DTensor logits have {full_v} classes")
+    group = _group_of(logits, mesh_dim, group, "logits")
+    return logits.to_local(), _replicated(target, "target"), group, full_v
+
+
+def _unwrap_linear(hidden, weight, target, bias, group, sequence_parallel):
+    """DTensor weight (``Shard(0)``) / hidden (Replicate, or ``Shard`` on a token dim with
+    sequence parallelism) -> local tensors, the group and ``V``."""
+    vocab_size = None
+    if is_dtensor(weight):
+        mesh_dim = _sharded_mesh_dim(weight, 0, "weight")
+        if mesh_dim is None or weight.device_mesh.ndim != 1:
+            raise ValueError(
+                f"weight is a DTensor with placements {tuple(weight.placements)} on a {weight.device_mesh.ndim}-D "
+                "mesh: expected the lm_head shard of ColwiseParallel (Shard(0) on a 1-D TP mesh). An FSDP-sharded "
+                "parameter outside its module's forward is not the vocab shard; unshard it first"
+            )
+        vocab_size = weight.shape[0]
+        group = _group_of(weight, mesh_dim, group, "weight")
+        weight = weight.to_local()
+    # with sequence parallelism the local token shard is what the op wants; the target must be
+    # sharded the same way (same local shape)
+    if sequence_parallel:
+        hidden = local(hidden)
+    else:
+        hidden = _replicated(hidden, "hidden (without sequence_parallel)")
+    return hidden, weight, local(target), local(bias), group, vocab_size
+

@@ -1,0 +1,138 @@
+"""Every collective of the library, and the only module that calls ``torch.distributed``.
+
+"Which ranks talk, how often, how many bytes" is answerable here:
+
+* per token chunk of a loss: one all-reduce MAX and one all-reduce SUM of ``O(chunk tokens)`` floats
+  (:func:`all_reduce_max_`, :func:`all_reduce_sum_`);
+* once per call: an all-gather of a few integers (shard sizes and agreement checks,
+  :func:`all_gather_ints`), skipped with ``check=False`` when the global vocab size is known;
+* with sequence parallelism: an all-gather of each hidden/target chunk (:func:`all_gather_rows`) and
+  a reduce-scatter of its hidden gradient (:func:`reduce_scatter_rows`); the token counts of the
+  ranks once per call;
+* the pipeline adapter: a SUM of the step's valid-token count over DP and of the step loss over
+  PP/DP (:func:`all_reduce_sum_` on a group), or a broadcast of it (:func:`broadcast_`).
+
+Every function takes a ProcessGroup (already resolved by :func:`resolve_group`) and is a no-op on
+``None`` or a group of one rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "resolve_group", "world_size", "rank", "is_sharded", "backend", "all_reduce_max_", "all_reduce_sum_",
+    "broadcast_", "all_gather_ints", "all_gather_rows", "all_gather_last_dim", "reduce_scatter_rows",
+]
+
+
+def resolve_group(group):
+    """Accept ``None``, a ``ProcessGroup`` or a 1-D ``DeviceMesh``; return a ProcessGroup or None."""
+    if group is None:
+        return None
+    mesh_cls = _device_mesh_cls()
+    if mesh_cls is not None and isinstance(group, mesh_cls):
+        if group.ndim != 1:
+            raise ValueError(
+                f"group: a DeviceMesh must be 1-D (the vocab-parallel dim), got a {group.ndim}-D mesh; "
+                "pass mesh['tp'] or its process group"
+            )
+        return group.get_group()
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}")
+
+
+def _device_mesh_cls():
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - very old torch
+        return None
+    return DeviceMesh
+
+
+def world_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def is_sharded(group) -> bool:
+    return world_size(group) > 1
+
+
+def backend(group) -> str | None:
+    return None if group is None else dist.get_backend(group)
+
+
+def global_rank(group, group_rank: int) -> int:
+    return dist.get_global_rank(group, group_rank)
+
+
+def all_reduce_max_(t: torch.Tensor, group) -> torch.Tensor:
+    if is_sharded(group):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
+def all_reduce_sum_(t: torch.Tensor, group) -> torch.Tensor:
+    if is_sharded(group):
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def broadcast_(t: torch.Tensor, group, src_group_rank: int) -> torch.Tensor:
+    if is_sharded(group):
+        dist.broadcast(t, src=global_rank(group, src_group_rank), group=group)
+    return t
+
+
+def all_gather_ints(values: list, group, device) -> list[list[int]]:
+    """Every rank's list of integers, in rank order. ``values`` may hold 0-dim device tensors (a
+    target checksum): they are stacked on device, so gathering them adds no extra host sync."""
+    t = torch.stack([torch.as_tensor(v, device=device).to(torch.int64).reshape(()) for v in values])
+    if not is_sharded(group):
+        return [t.tolist()]
+    out = [torch.empty_like(t) for _ in range(world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return [o.tolist() for o in out]
+
+
+def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` (same shape on all ranks) along dim 0, in rank order."""
+    if not is_sharded(group):
+        return x
+    parts = [torch.empty_like(x) for _ in range(world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=0)
+
+
+def all_gather_last_dim(x: torch.Tensor, group, sizes: list[int]) -> torch.Tensor:
+    """The full ``[..., sum(sizes)]`` tensor from every rank's ``[..., sizes[rank]]`` piece (the
+    unfused reference loss only: this is the memory the fused ops avoid)."""
+    if not is_sharded(group):
+        return x
+    width = max(sizes)
+    padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
+    parts = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+
+
+def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``x`` (``[world * m, ...]``) over the group and return this rank's ``m`` rows. Uses
+    reduce_scatter where the backend has it (NCCL), else all-reduce + slice (gloo has none)."""
+    if not is_sharded(group):
+        return x
+    world, me = world_size(group), rank(group)
+    m = x.shape[0] // world
+    if backend(group) == "gloo":
+        x = x.contiguous()
+        dist.all_reduce(x, group=group)
+        return x[me * m : (me + 1) * m]
+    out = torch.empty((m, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+    return out
