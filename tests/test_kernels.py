@@ -41,6 +41,8 @@ _INTERPRETER_CHECKS = textwrap.dedent(
         dict(label_smoothing=0.1, z_loss=0.0, softcap=None),
         dict(label_smoothing=0.0, z_loss=1e-3, softcap=None),
         dict(label_smoothing=0.05, z_loss=1e-4, softcap=20.0),
+        dict(temperature=0.7, entropy=True),  # the log-prob / entropy ops' statistics and gradients
+        dict(softcap=20.0, temperature=1.5, entropy=True),
     ]
     for (c, width, offset, vocab), opts, dtype in itertools.product(
         shapes, options, (torch.float32, torch.bfloat16, torch.float16)
@@ -62,13 +64,21 @@ _INTERPRETER_CHECKS = textwrap.dedent(
         ref = stats.local_stats(x, local_t, owned, spec)
         got = tc.local_stats(x, local_t, owned, spec)
         abs_sum = float(stats._transform(x, spec).abs().sum(-1).max()) if width else 0.0
+        assert (got.zexp is None) == (ref.zexp is None)
         for name, r, g in zip(ref._fields, ref, got):
+            if r is None:
+                continue
             assert g.dtype == torch.float32, (name, g.dtype)
             atol = 2e-5 + (2e-7 * abs_sum if name == "sum" else 0.0)  # a sum with cancellation
             torch.testing.assert_close(g, r, rtol=1e-5, atol=atol, msg=lambda m: f"{name} {width} {opts} {dtype}: {m}")
 
-        lse = torch.logsumexp(x.float(), -1) + torch.rand(c) if width else torch.randn(c)
+        lse = torch.logsumexp(stats._transform(x, spec), -1) + torch.rand(c) if width else torch.randn(c)
         gscale = valid.float() * (0.5 + torch.rand(c))
+        if spec.entropy:  # a log-prob term and an entropy bonus, both with per-token weights
+            coefs = stats.logprob_grad_coefs(gscale, valid.float() * torch.randn(c), torch.rand(c))
+        else:
+            coefs = stats.loss_grad_coefs(lse, gscale, spec)
+        gscale = coefs
         ref = stats.grad_logits(x, local_t, owned, lse, gscale, spec)
         got = tc.grad_logits(x, local_t, owned, lse, gscale, spec)
         assert got.dtype == x.dtype and got.shape == x.shape

@@ -5,6 +5,8 @@ Public API:
 
 * :func:`cross_entropy` -- logits sharded along the vocab over a TP group;
 * :func:`linear_cross_entropy` -- hidden states + the lm_head weight shard, no full logits;
+* :func:`token_logprobs`, :func:`linear_token_logprobs` -- per-token log-probs and entropy for RL,
+  from sharded logits or hidden states, with gradients;
 * :func:`build_loss_fn` and the ``nn.Module`` wrappers -- string-configurable losses;
 * :mod:`vparallel_ce.policy` -- ``choose_chunks``, ``ChunkPolicy``, ``explain``;
 * :mod:`vparallel_ce.pipeline` -- exact loss normalisation under ``torch.distributed.pipelining``;
@@ -13,6 +15,7 @@ Public API:
 
 from .cross_entropy import cross_entropy
 from .linear import linear_cross_entropy
+from .logprobs import linear_token_logprobs, token_logprobs
 from .policy import ChunkPolicy, choose_chunks
 from .registry import LinearCrossEntropy, PlainCrossEntropy, VocabParallelCrossEntropy, build_loss_fn
 from .validate import InvalidInputError
@@ -21,6 +24,8 @@ from . import megatron, pipeline, policy  # noqa: E402  (submodules of the publi
 __all__ = [
     "cross_entropy",
     "linear_cross_entropy",
+    "token_logprobs",
+    "linear_token_logprobs",
     "build_loss_fn",
     "VocabParallelCrossEntropy",
     "LinearCrossEntropy",

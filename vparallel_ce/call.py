@@ -19,6 +19,7 @@ user arguments again.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -74,25 +75,28 @@ class LinearInputs:
     shape: torch.Size
 
 
-def logits_call(logits, target, *, group, vocab_size, reduction, chunks, check, policy=None,
+def logits_call(logits, target, *, group, vocab_size, reduction, chunks, check, policy=None, entropy=False,
                 **loss_options) -> tuple[Call, LogitsInputs]:
-    """The front door of ops over vocab-sharded logits ``[..., V_local]``."""
+    """The front door of ops over vocab-sharded logits ``[..., V_local]``. ``loss_options``: the
+    math options of :class:`~vparallel_ce.stats.LossSpec` the op takes; ``entropy``: the
+    statistics carry the entropy too."""
     logits, target, group, vocab_size = _unwrap_logits(logits, target, group, vocab_size)
     group = comm.resolve_group(group)
     problem = check_options(reduction=reduction, chunks=chunks, **loss_options) or check_logits(logits, target)
     facts = {"token count": lambda: target.numel(), "chunks option": lambda: _chunk_code(chunks),
-             "target checksum": lambda: target.sum()}
+             "target checksum": lambda: target.sum(), "loss options": lambda: _options_code(loss_options)}
     lay = agree(problem, group, local_size=lambda: logits.shape[-1], facts=facts, device=_device(logits),
                 vocab_size=vocab_size, check=check)
     n = target.numel()
     plan = (policy or _policy.DEFAULT_POLICY).plan(n, lay.vocab_size, lay.world, reduction=reduction, chunks=chunks)
-    call = Call(lay, _spec(lay, loss_options), reduction, plan, bool(check), counts=(n,))
+    call = Call(lay, _spec(lay, loss_options, entropy), reduction, plan, bool(check), counts=(n,))
     return call, LogitsInputs(logits.reshape(n, lay.local_size), target.reshape(-1), target.shape)
 
 
 def linear_call(hidden, weight, target, bias, *, group, sequence_parallel, vocab_size, reduction, chunks, schedule,
-                recompute, policy, check, **loss_options) -> tuple[Call, LinearInputs]:
-    """The front door of ops over hidden states and this rank's lm_head shard ``[V_local, H]``."""
+                recompute, policy, check, entropy=False, **loss_options) -> tuple[Call, LinearInputs]:
+    """The front door of ops over hidden states and this rank's lm_head shard ``[V_local, H]``
+    (options as in :func:`logits_call`)."""
     hidden, weight, target, bias, group, dt_vocab = _unwrap_linear(hidden, weight, target, bias, group,
                                                                    sequence_parallel)
     vocab_size = vocab_size if dt_vocab is None else dt_vocab
@@ -107,6 +111,7 @@ def linear_call(hidden, weight, target, bias, *, group, sequence_parallel, vocab
         "recompute option": lambda: {None: -1, False: 0, True: 1}[recompute],
         "hidden size": lambda: weight.shape[-1],
         "sequence_parallel": lambda: int(sp),
+        "loss options": lambda: _options_code(loss_options),
     }
     if not sp:  # with sequence parallelism every rank holds other tokens
         facts["token count"] = lambda: target.numel()
@@ -120,7 +125,7 @@ def linear_call(hidden, weight, target, bias, *, group, sequence_parallel, vocab
         sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1], reduction=reduction, chunks=chunks,
         schedule=schedule, recompute=recompute)
     matmul_dtype = amp if amp is not None and weight.dtype != torch.float64 else weight.dtype
-    call = Call(lay, _spec(lay, loss_options), reduction, plan, bool(check), sp, counts, matmul_dtype)
+    call = Call(lay, _spec(lay, loss_options, entropy), reduction, plan, bool(check), sp, counts, matmul_dtype)
     inputs = LinearInputs(hidden.reshape(n, weight.shape[-1]), weight, bias, target.reshape(-1), target.shape)
     return call, inputs
 
@@ -133,10 +138,16 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(kind)
 
 
-def _spec(lay: VocabLayout, options: dict) -> LossSpec:
+def _spec(lay: VocabLayout, options: dict, entropy: bool) -> LossSpec:
     softcap = options.get("softcap")
     return LossSpec(lay.vocab_size, int(options.get("ignore_index", -100)), float(options.get("label_smoothing", 0.0)),
-                    float(options.get("z_loss", 0.0)), None if softcap is None else float(softcap))
+                    float(options.get("z_loss", 0.0)), None if softcap is None else float(softcap),
+                    float(options.get("temperature", 1.0)), bool(entropy))
+
+
+def _options_code(options: dict) -> int:
+    """The math options as one integer the ranks compare (a CRC of their sorted repr)."""
+    return zlib.crc32(repr(sorted((k, None if v is None else float(v)) for k, v in options.items())).encode())
 
 
 def _chunk_code(chunks) -> int:

@@ -15,7 +15,9 @@ import torch
 
 from . import kernels
 from .call import Call, logits_call
-from .stats import combine, compute_dtype, local_targets, reduce, token_grad_scale, token_loss, token_slices
+from .stats import (
+    combine, compute_dtype, local_targets, loss_grad_coefs, reduce, token_grad_scale, token_loss, token_slices,
+)
 from .validate import check_owned
 
 __all__ = ["cross_entropy"]
@@ -104,5 +106,6 @@ class _CrossEntropy(torch.autograd.Function):
             gscale = token_grad_scale(grad_out, valid, n_valid, call.reduction, lse.dtype)
             dx = torch.empty_like(x)
             for sl in token_slices(x.shape[0], call.plan.chunks):
-                dx[sl] = ops.grad_logits(x[sl], local_t[sl], owned[sl], lse[sl], gscale[sl], spec)
+                coefs = loss_grad_coefs(lse[sl], gscale[sl], spec)
+                dx[sl] = ops.grad_logits(x[sl], local_t[sl], owned[sl], lse[sl], coefs, spec)
         return dx, None, None

@@ -41,10 +41,12 @@ import torch.nn.functional as F
 from . import comm, kernels, policy as _policy
 from .call import Call, linear_call
 from .layout import aligned_parts, vocab_blocks
-from .stats import combine, compute_dtype, local_targets, merge, reduce, token_grad_scale, token_loss, token_slices
+from .stats import (
+    combine, compute_dtype, local_targets, loss_grad_coefs, merge, reduce, token_grad_scale, token_loss, token_slices,
+)
 from .validate import check_owned
 
-__all__ = ["linear_cross_entropy", "Schedule"]
+__all__ = ["linear_cross_entropy", "Schedule", "Rows", "Grads", "matmul_inputs"]
 
 
 def linear_cross_entropy(
@@ -104,7 +106,7 @@ def linear_cross_entropy(
     return out.reshape(inp.shape) if reduction == "none" else out
 
 
-class _Rows:
+class Rows:
     """Which token rows a chunk holds. Replicated hidden: a slice of the local rows. Sequence
     parallel: every rank's c-th slice of its own rows, padded to a common height (padding rows get
     ``ignore_index`` and so contribute nothing) and all-gathered in rank order. Every rank makes
@@ -166,13 +168,13 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate:
 _CUDA_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
-def _grad_in_place(ops, x, local_t, owned, lse, gscale, spec):
+def _grad_in_place(ops, x, local_t, owned, lse, coefs, spec):
     """``grad_logits`` of a block's logits that this op owns (a temporary of ``F.linear``): written
     over them when the implementation can (one block-sized buffer less, no extra allocation)."""
     in_place = getattr(ops, "grad_logits_", None)
     if in_place is not None:
-        return in_place(x, local_t, owned, lse, gscale, spec)
-    return ops.grad_logits(x, local_t, owned, lse, gscale, spec)
+        return in_place(x, local_t, owned, lse, coefs, spec)
+    return ops.grad_logits(x, local_t, owned, lse, coefs, spec)
 
 
 def _in_block(local_t: torch.Tensor, owned: torch.Tensor, blk: slice):
@@ -181,7 +183,7 @@ def _in_block(local_t: torch.Tensor, owned: torch.Tensor, blk: slice):
     return (local_t - blk.start).clamp(0, max(blk.stop - blk.start - 1, 0)), in_blk
 
 
-class _Grads:
+class Grads:
     """Gradient buffers of one call, in the dtypes of the inputs ``h, w, b`` they are returned for.
 
     Sums over row chunks, vocab blocks or ranks go into fp32 (fp64 for fp64) buffers, cast once at
@@ -189,7 +191,7 @@ class _Grads:
     with one chunk and one block -- is written straight into the input's dtype (one rounding either
     way, no fp32 buffer and no cast)."""
 
-    def __init__(self, h, w, b, need, *, acc_dtype, rows: _Rows, schedule: "Schedule"):
+    def __init__(self, h, w, b, need, *, acc_dtype, rows: Rows, schedule: "Schedule"):
         need_h, need_w, need_b = need
         lay = rows.call.layout
         self.dtypes = (h.dtype, w.dtype, None if b is None else b.dtype)
@@ -204,7 +206,7 @@ class _Grads:
         if need_b and b is not None:
             self.db = torch.zeros(w.shape[0], dtype=acc_dtype, device=w.device)
 
-    def rows_of(self, rows: _Rows, c: int, h_c: torch.Tensor) -> torch.Tensor | None:
+    def rows_of(self, rows: Rows, c: int, h_c: torch.Tensor) -> torch.Tensor | None:
         """The buffer chunk ``c``'s ``dh`` is summed into: this chunk's rows of ``dh``, or a buffer
         of the gathered rows (sequence parallel) that :meth:`end_chunk` reduce-scatters."""
         if self.dh is None:
@@ -221,11 +223,11 @@ class _Grads:
         if self.db is not None:
             self.db[blk] += dx.to(self.db.dtype).sum(0)
 
-    def end_chunk(self, rows: _Rows, c: int, dh_rows) -> None:
+    def end_chunk(self, rows: Rows, c: int, dh_rows) -> None:
         if dh_rows is not None and rows.call.sequence_parallel:
             self.dh[rows.local[c]] = rows.scatter_grad(c, dh_rows)
 
-    def finish(self, rows: _Rows) -> tuple:
+    def finish(self, rows: Rows) -> tuple:
         """Sum the replicated hidden's partial ``dh`` over the group; the gradients in the inputs' dtypes."""
         if self.dh is not None and not rows.call.sequence_parallel:
             comm.all_reduce_sum_(self.dh, rows.call.layout.group)
@@ -250,6 +252,18 @@ class Schedule:
             return cls(call.plan.chunks, tuple(aligned_parts(call.layout.local_size)), keep_logits=grads_now)
         return cls(1, tuple(vocab_blocks(call.layout.local_size, call.plan.chunks)), keep_logits=False)
 
+    def rows(self, call: Call) -> Rows:
+        return Rows(call, self.row_chunks)
+
+    @staticmethod
+    def walk(call: Call, rows: Rows, h: torch.Tensor, t: torch.Tensor):
+        """The row chunks: yields ``(c, h_c, t_c, local_t, owned, valid)`` with ``h_c``/``t_c``
+        chunk ``c``'s rows (gathered over the group with sequence parallelism)."""
+        lay, spec = call.layout, call.spec
+        for c in range(len(rows)):
+            h_c, t_c = rows.gather(c, h), rows.gather(c, t, fill=spec.ignore_index)
+            yield (c, h_c, t_c, *local_targets(t_c, lay.offset, lay.local_size, spec.ignore_index))
+
     def statistics(self, call: Call, ops, h_c, w, b, local_t, owned):
         """Global statistics of chunk ``c``'s rows ``h_c``: local statistics block by block, merged,
         one exchange. Returns them and the kept blocks' logits (empty unless ``keep_logits``)."""
@@ -264,10 +278,11 @@ class Schedule:
             del x  # else the next block's logits are allocated while this one's are still alive
         return combine(acc, call.layout), kept
 
-    def gradients(self, call: Call, ops, rows: _Rows, c: int, h_c, w, b, local_t, owned, lse, gscale,
-                  kept: list, grads: _Grads) -> None:
+    def gradients(self, call: Call, ops, rows: Rows, c: int, h_c, w, b, local_t, owned, lse, coefs,
+                  kept: list, grads: Grads) -> None:
         """Chunk ``c``'s gradients, block by block, into ``grads``: each block's ``dx`` from its kept
-        logits or recomputed, then ``dh += dx W_b``, ``dW_b (+)= dx^T h_c``, ``db_b += sum dx``."""
+        logits or recomputed (``coefs``: :class:`vparallel_ce.stats.GradCoefs` of the chunk's rows),
+        then ``dh += dx W_b``, ``dW_b (+)= dx^T h_c``, ``db_b += sum dx``."""
         dh_rows = grads.rows_of(rows, c, h_c)
         for i, blk in enumerate(self.blocks):
             if blk.stop == blk.start:
@@ -276,13 +291,13 @@ class Schedule:
             if kept:
                 kept[i] = None  # its memory is reused by the gradient, then freed
             idx, in_blk = _in_block(local_t, owned, blk)
-            dx = _grad_in_place(ops, x, idx, in_blk, lse, gscale, call.spec)
+            dx = _grad_in_place(ops, x, idx, in_blk, lse, coefs, call.spec)
             grads.add_block(blk, dx, h_c, w[blk], dh_rows)
             del x, dx  # free this block before the next one's logits are allocated
         grads.end_chunk(rows, c, dh_rows)
 
 
-def _matmul_inputs(call: Call, h, w, b):
+def matmul_inputs(call: Call, h, w, b):
     """The inputs cast to the matmul dtype (a no-op outside autocast)."""
     md = call.matmul_dtype
     return h.to(md), w.to(md), None if b is None else b.to(md)
@@ -297,26 +312,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         grads_now = call.plan.grad_in_forward and any(need)
         with torch.autocast(h.device.type, enabled=False):
-            spec, lay = call.spec, call.layout
-            hm, wm, bm = _matmul_inputs(call, h, w, b)
+            spec = call.spec
+            hm, wm, bm = matmul_inputs(call, h, w, b)
             ops = kernels.ops_for(wm)
             sched = Schedule.of(call, grads_now=grads_now)
-            rows = _Rows(call, sched.row_chunks)
+            rows = sched.rows(call)
             n_valid = _valid_count(t, call)
             cdt = compute_dtype(wm.dtype)
-            grads = _Grads(h, w, b, need, acc_dtype=cdt, rows=rows, schedule=sched) if grads_now else None
+            grads = Grads(h, w, b, need, acc_dtype=cdt, rows=rows, schedule=sched) if grads_now else None
             gscale_of = _gscale_fn(torch.ones((), dtype=cdt, device=w.device), n_valid, call)
             lse, per_token, checks = [], [], []
-            for c in range(len(rows)):
-                h_c, t_c = rows.gather(c, hm), rows.gather(c, t, fill=spec.ignore_index)
-                local_t, owned, valid = local_targets(t_c, lay.offset, lay.local_size, spec.ignore_index)
+            for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
                 st, kept = sched.statistics(call, ops, h_c, wm, bm, local_t, owned)
                 lse.append(st.lse)
                 per_token.append(_keep(rows, c, token_loss(st, valid, spec), call.reduction))
                 checks.append((st.owned, valid, t_c))
                 if grads is not None:
-                    sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, st.lse,
-                                    gscale_of(rows, c, valid), kept, grads)
+                    coefs = loss_grad_coefs(st.lse, gscale_of(rows, c, valid), spec)
+                    sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, st.lse, coefs, kept, grads)
             if call.check:
                 check_owned(*(torch.cat(parts) for parts in zip(*checks)), spec.vocab_size)
             ctx.call, ctx.need, ctx.grads_now = call, need, grads is not None
@@ -334,24 +347,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return grads + (None, None)
         h, w, b, t, lse, n_valid = ctx.saved_tensors
         with torch.autocast(h.device.type, enabled=False):
-            spec, lay = call.spec, call.layout
-            hm, wm, bm = _matmul_inputs(call, h, w, b)
+            hm, wm, bm = matmul_inputs(call, h, w, b)
             ops = kernels.ops_for(wm)
             sched = Schedule.of(call, grads_now=False)
-            rows = _Rows(call, sched.row_chunks)
-            grads = _Grads(h, w, b, ctx.need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)
+            rows = sched.rows(call)
+            grads = Grads(h, w, b, ctx.need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)
             gscale_of = _gscale_fn(grad_out, n_valid, call)
             at = 0
-            for c in range(len(rows)):
-                h_c, t_c = rows.gather(c, hm), rows.gather(c, t, fill=spec.ignore_index)
-                local_t, owned, valid = local_targets(t_c, lay.offset, lay.local_size, spec.ignore_index)
+            for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
                 lse_c, at = lse[at : at + t_c.shape[0]], at + t_c.shape[0]
-                sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, lse_c,
-                                gscale_of(rows, c, valid), [], grads)
+                coefs = loss_grad_coefs(lse_c, gscale_of(rows, c, valid), call.spec)
+                sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, lse_c, coefs, [], grads)
             return grads.finish(rows) + (None, None)
 
 
-def _keep(rows: _Rows, c: int, per_token: torch.Tensor, reduction: str) -> torch.Tensor:
+def _keep(rows: Rows, c: int, per_token: torch.Tensor, reduction: str) -> torch.Tensor:
     """Per-token losses the output is made of: this rank's own tokens for ``none``; for mean/sum,
     all gathered tokens (with sequence parallelism the loss is over the whole group's tokens;
     padding rows are ignored tokens with loss 0)."""
@@ -369,7 +379,7 @@ def _gscale_fn(grad_out: torch.Tensor, n_valid, call: Call):
     """``(rows, c, valid) -> g`` for the gathered rows of chunk ``c``."""
     cdt = grad_out.dtype  # the loss' dtype: fp32, or fp64 for fp64 inputs
 
-    def gscale_of(rows: _Rows, c: int, valid: torch.Tensor) -> torch.Tensor:
+    def gscale_of(rows: Rows, c: int, valid: torch.Tensor) -> torch.Tensor:
         g = grad_out
         if call.reduction == "none":
             g = rows.gather(c, grad_out.reshape(-1))

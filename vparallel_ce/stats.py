@@ -1,30 +1,41 @@
-r"""The per-chunk math of vocab-parallel cross-entropy, written once for every op and schedule.
+r"""The per-chunk math of vocab-parallel cross-entropy and log-probs, written once for every op
+and schedule.
 
 Notation for one token ``i`` (a row of a chunk). ``x`` are the raw logits of this rank's vocab shard
 (ids ``[o, o + V_loc)`` of the global vocab ``[0, V)``), ``t`` the global target id, ``s`` the soft
-cap, ``eps`` the label smoothing and ``zl`` the z-loss weight::
+cap, ``T`` the temperature, ``eps`` the label smoothing and ``zl`` the z-loss weight::
 
-    z_j   = s * tanh(x_j / s)             (z = x without softcap)
+    z_j   = s * tanh(x_j / s) / T          (z = x without softcap and temperature)
     lse   = log sum_{j<V} exp(z_j)         (over the GLOBAL vocab)
     loss  = lse - (1 - eps) * z_t - (eps / V) * sum_j z_j + zl * lse**2      (0 for ignored tokens)
+    logp  = z_t - lse,    H = -sum_j p_j log p_j,    p_j = exp(z_j - lse)
 
-This is ``F.cross_entropy(z, t, label_smoothing=eps)`` per token, plus the PaLM z-loss.
+``loss`` is ``F.cross_entropy(z, t, label_smoothing=eps)`` per token plus the PaLM z-loss; ``logp``
+and the entropy ``H`` are what RL post-training needs (:mod:`vparallel_ce.logprobs`).
 
-Forward, per chunk -- the only data that crosses ranks are four floats per token:
+Forward, per chunk -- the only data that crosses ranks are a few floats per token:
 
 1. local pass (one read of the chunk): ``m_r = max_j z_j``, ``S_r = sum_j exp(z_j - m_r)``,
-   ``z_t`` if this rank owns ``t`` (else 0), ``sum_j z_j`` (with smoothing), ``owned`` in {0, 1};
+   ``z_t`` if this rank owns ``t`` (else 0), ``sum_j z_j`` (with smoothing), ``owned`` in {0, 1},
+   and for the entropy ``E_r = sum_j exp(z_j - m_r) (z_j - m_r)``;
 2. ``m = all_reduce_MAX(m_r)``;
-3. ``all_reduce_SUM([S_r * exp(m_r - m), z_t, sum z, owned])`` -> ``lse = m + log S``.
-   ``owned`` summed over the group must be 1 for every valid token: that is the out-of-range
-   target check, at no extra collective.
+3. ``all_reduce_SUM([S_r e^{m_r - m}, z_t, sum z, owned, e^{m_r - m} (E_r + (m_r - m) S_r)])``
+   -> ``lse = m + log S`` and ``H = log S - E / S`` (every term is relative to the max, so logits
+   of large magnitude lose nothing to cancellation). ``owned`` summed over the group must be 1
+   for every valid token: that is the out-of-range target check, at no extra collective.
 
-Backward, per chunk, with ``g_i`` = d(total)/d(loss_i) (``0`` for ignored tokens) -- local only::
+Backward, per chunk -- local only. Every op's gradient has the one form::
 
-    dL/dz_j = g_i * ( p_j * (1 + 2 zl lse) - eps / V - (1 - eps) [j == t] ),  p_j = exp(z_j - lse)
-    dL/dx_j = dL/dz_j * (1 - (z_j / s)**2)        (softcap; identity without)
+    d obj/d z_j = p_j * (a_i + b_i * (z_j - lse)) - c_i [j == t] - d_i
+    d obj/d x_j = d obj/d z_j * (1 - (T z_j / s)**2) / T       (softcap; 1 / T without)
 
-The same ``(m, S)`` pairs merge across vocab blocks of one rank (:func:`merge`), which is how the
+with per-token coefficients (:class:`GradCoefs`) from the upstream gradients (0 on ignored tokens):
+
+* loss, upstream ``g``: ``a = g (1 + 2 zl lse)``, ``b = 0``, ``c = g (1 - eps)``, ``d = g eps / V``;
+* log-prob ``g_lp`` and entropy ``g_H``: ``a = -g_lp - g_H H``, ``b = -g_H``, ``c = -g_lp``,
+  ``d = 0`` (from ``d logp / d z_j = [j == t] - p_j`` and ``d H / d z_j = -p_j (log p_j + H)``).
+
+The same ``(m, S, E)`` merge across vocab blocks of one rank (:func:`merge`), which is how the
 vocab-blocked schedule of ``linear_cross_entropy`` builds its statistics before the one exchange.
 
 Statistics are fp32 whatever the logits' dtype (fp64 for fp64 logits, so tests can check to 1e-10).
@@ -41,18 +52,22 @@ import torch
 
 from . import comm
 
-__all__ = ["LossSpec", "ChunkStats", "TokenStats", "local_stats", "merge", "combine", "token_loss", "grad_logits"]
+__all__ = ["LossSpec", "ChunkStats", "TokenStats", "GradCoefs", "local_stats", "merge", "combine", "token_loss",
+           "loss_grad_coefs", "logprob_grad_coefs", "grad_logits"]
 
 
 @dataclass(frozen=True)
 class LossSpec:
-    """The loss' mathematical options (``F.cross_entropy`` names), and the GLOBAL vocab size."""
+    """The math options of a call (``F.cross_entropy`` names), and the GLOBAL vocab size.
+    ``entropy``: the statistics also carry what the entropy needs."""
 
     vocab_size: int
     ignore_index: int = -100
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     softcap: float | None = None
+    temperature: float = 1.0
+    entropy: bool = False
 
 
 class ChunkStats(NamedTuple):
@@ -63,6 +78,7 @@ class ChunkStats(NamedTuple):
     target: torch.Tensor  # z_t where this shard owns t, else 0
     sum: torch.Tensor  # sum_j z_j (zeros unless label smoothing)
     owned: torch.Tensor  # 1 where this shard owns t, else 0
+    zexp: torch.Tensor | None = None  # E_r = sum_j exp(z_j - m_r) (z_j - m_r), with spec.entropy
 
 
 class TokenStats(NamedTuple):
@@ -72,6 +88,17 @@ class TokenStats(NamedTuple):
     target: torch.Tensor
     sum: torch.Tensor
     owned: torch.Tensor
+    entropy: torch.Tensor | None = None  # H, with spec.entropy
+
+
+class GradCoefs(NamedTuple):
+    """Per-token ``[c]`` coefficients of ``d obj/d z_j = p_j (a + b (z_j - lse)) - c [j == t] - d``;
+    ``b`` and ``d`` are None where they are zero."""
+
+    a: torch.Tensor
+    b: torch.Tensor | None
+    c: torch.Tensor
+    d: torch.Tensor | None
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -91,6 +118,8 @@ def _transform(x: torch.Tensor, spec: LossSpec) -> torch.Tensor:
     z = x.to(compute_dtype(x.dtype))
     if spec.softcap is not None:
         z = torch.tanh(z / spec.softcap) * spec.softcap
+    if spec.temperature != 1.0:
+        z = z * (1.0 / spec.temperature)  # a product, as in the kernels: the two paths round alike
     return z
 
 
@@ -101,13 +130,16 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
     if width == 0:
         neg_inf = torch.full((c,), float("-inf"), dtype=z.dtype, device=z.device)
         zeros = torch.zeros((c,), dtype=z.dtype, device=z.device)
-        return ChunkStats(neg_inf, zeros, zeros, zeros, owned.to(z.dtype))
+        return ChunkStats(neg_inf, zeros, zeros, zeros, owned.to(z.dtype), zeros if spec.entropy else None)
     m = z.amax(dim=-1)
-    sumexp = torch.exp(z - m.unsqueeze(-1)).sum(dim=-1)
+    u = z - m.unsqueeze(-1)
+    e = torch.exp(u)
+    sumexp = e.sum(dim=-1)
     picked = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
     tgt = torch.where(owned, picked, torch.zeros_like(picked))
     total = z.sum(dim=-1) if spec.label_smoothing > 0 else torch.zeros_like(m)
-    return ChunkStats(m, sumexp, tgt, total, owned.to(z.dtype))
+    zexp = (e * u).sum(dim=-1) if spec.entropy else None
+    return ChunkStats(m, sumexp, tgt, total, owned.to(z.dtype), zexp)
 
 
 def _rescale(sumexp: torch.Tensor, m_from: torch.Tensor, m_to: torch.Tensor) -> torch.Tensor:
@@ -115,20 +147,33 @@ def _rescale(sumexp: torch.Tensor, m_from: torch.Tensor, m_to: torch.Tensor) -> 
     return torch.where(sumexp > 0, sumexp * torch.exp(m_from - m_to), torch.zeros_like(sumexp))
 
 
+def _rescale_zexp(zexp, sumexp, m_from, m_to):
+    """``E`` relative to ``m_from`` -> relative to ``m_to``: ``e^{m_from - m_to} (E + (m_from - m_to) S)``."""
+    shifted = zexp + torch.where(sumexp > 0, m_from - m_to, torch.zeros_like(m_from)) * sumexp
+    return torch.where(sumexp > 0, shifted * torch.exp(m_from - m_to), torch.zeros_like(zexp))
+
+
 def merge(a: ChunkStats, b: ChunkStats) -> ChunkStats:
     """Statistics of the union of two disjoint vocab blocks of the same tokens (online softmax)."""
     m = torch.maximum(a.max, b.max)
     sumexp = _rescale(a.sumexp, a.max, m) + _rescale(b.sumexp, b.max, m)
-    return ChunkStats(m, sumexp, a.target + b.target, a.sum + b.sum, a.owned + b.owned)
+    zexp = None
+    if a.zexp is not None:
+        zexp = _rescale_zexp(a.zexp, a.sumexp, a.max, m) + _rescale_zexp(b.zexp, b.sumexp, b.max, m)
+    return ChunkStats(m, sumexp, a.target + b.target, a.sum + b.sum, a.owned + b.owned, zexp)
 
 
 def combine(stats: ChunkStats, layout) -> TokenStats:
     """Steps 2-3: join the ranks' statistics -- one all-reduce MAX and one fused all-reduce SUM."""
     m = comm.all_reduce_max_(stats.max.clone(), layout.group)
-    packed = torch.stack([_rescale(stats.sumexp, stats.max, m), stats.target, stats.sum, stats.owned])
-    comm.all_reduce_sum_(packed, layout.group)
-    sumexp, target, total, owned = packed.unbind(0)
-    return TokenStats(m + torch.log(sumexp), target, total, owned)
+    parts = [_rescale(stats.sumexp, stats.max, m), stats.target, stats.sum, stats.owned]
+    if stats.zexp is not None:
+        parts.append(_rescale_zexp(stats.zexp, stats.sumexp, stats.max, m))
+    packed = comm.all_reduce_sum_(torch.stack(parts), layout.group)
+    sumexp, target, total, owned = packed[:4].unbind(0)
+    log_s = torch.log(sumexp)
+    entropy = log_s - packed[4] / sumexp if stats.zexp is not None else None
+    return TokenStats(m + log_s, target, total, owned, entropy)
 
 
 def token_loss(st: TokenStats, valid: torch.Tensor, spec: LossSpec) -> torch.Tensor:
@@ -142,30 +187,46 @@ def token_loss(st: TokenStats, valid: torch.Tensor, spec: LossSpec) -> torch.Ten
     return torch.where(valid, loss, torch.zeros_like(loss))
 
 
+def loss_grad_coefs(lse: torch.Tensor, gscale: torch.Tensor, spec: LossSpec) -> GradCoefs:
+    """Coefficients of the loss' gradient for the per-token upstream scale ``gscale``."""
+    a = gscale * (1.0 + 2.0 * spec.z_loss * lse) if spec.z_loss > 0 else gscale
+    eps = spec.label_smoothing
+    return GradCoefs(a, None, gscale * (1.0 - eps), gscale * (eps / spec.vocab_size) if eps > 0 else None)
+
+
+def logprob_grad_coefs(g_logp: torch.Tensor, g_entropy: torch.Tensor | None, entropy) -> GradCoefs:
+    """Coefficients of the gradient of ``sum_i g_logp_i logp_i + g_entropy_i H_i``."""
+    if g_entropy is None:
+        return GradCoefs(-g_logp, None, -g_logp, None)
+    return GradCoefs(-g_logp - g_entropy * entropy, -g_entropy, -g_logp, None)
+
+
 def grad_logits(
     x: torch.Tensor,
     local_target: torch.Tensor,
     owned: torch.Tensor,
     lse: torch.Tensor,
-    gscale: torch.Tensor,
+    coefs: GradCoefs,
     spec: LossSpec,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Backward of one ``[c, V_block]`` block: ``d total / d x`` given the global ``lse`` and the
-    per-token upstream scale ``gscale`` (``0`` on ignored tokens). Local, no communication."""
+    """Backward of one ``[c, V_block]`` block: ``d obj / d x`` given the global ``lse`` and the
+    per-token coefficients (all 0 on ignored tokens). Local, no communication."""
     z = _transform(x, spec)
-    coef = gscale
-    if spec.z_loss > 0:
-        coef = gscale * (1.0 + 2.0 * spec.z_loss * lse)
-    d = torch.exp(z - lse.unsqueeze(-1)) * coef.unsqueeze(-1)
-    eps = spec.label_smoothing
-    if eps > 0:
-        d = d - (gscale * (eps / spec.vocab_size)).unsqueeze(-1)
+    logp = z - lse.unsqueeze(-1)
+    factor = coefs.a.unsqueeze(-1)
+    if coefs.b is not None:
+        factor = factor + coefs.b.unsqueeze(-1) * logp
+    d = torch.exp(logp) * factor
+    if coefs.d is not None:
+        d = d - coefs.d.unsqueeze(-1)
     if z.shape[-1] > 0:
-        hit = torch.where(owned, gscale * (1.0 - eps), torch.zeros_like(gscale))
+        hit = torch.where(owned, coefs.c, torch.zeros_like(coefs.c))
         d.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
     if spec.softcap is not None:
-        d = d * (1.0 - (z / spec.softcap).square())
+        d = d * (1.0 - (z * (spec.temperature / spec.softcap)).square())
+    if spec.temperature != 1.0:
+        d = d * (1.0 / spec.temperature)
     return d.to(out_dtype or x.dtype)
 
 

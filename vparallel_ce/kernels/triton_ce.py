@@ -44,33 +44,46 @@ def _tanh(y):
 
 
 @triton.jit
+def _z(x, cap, inv_cap, inv_t, HAS_CAP: tl.constexpr, HAS_T: tl.constexpr):
+    """The transformed logits ``z = s tanh(x / s) / T`` of :mod:`vparallel_ce.stats`."""
+    if HAS_CAP:
+        x = cap * _tanh(x * inv_cap)
+    if HAS_T:
+        x = x * inv_t
+    return x
+
+
+@triton.jit
 def _stats_kernel(
-    X, stride_x, T, OWN, MAX, SUMEXP, TGT, SUM, W, cap, inv_cap,
-    HAS_CAP: tl.constexpr, SMOOTH: tl.constexpr, BLOCK: tl.constexpr,
+    X, stride_x, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, cap, inv_cap, inv_t,
+    HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, SMOOTH: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = X + row * stride_x
     cols = tl.arange(0, BLOCK)
     m = float("-inf")
     s = 0.0
+    e = 0.0  # sum_j exp(z_j - m) (z_j - m), kept relative to the running max
     tot = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, W, BLOCK):
         idx = start + cols
         mask = idx < W
-        x = tl.load(base + idx, mask=mask, other=0.0).to(tl.float32)
-        if HAS_CAP:
-            x = cap * _tanh(x * inv_cap)
+        x = _z(tl.load(base + idx, mask=mask, other=0.0).to(tl.float32), cap, inv_cap, inv_t, HAS_CAP, HAS_T)
         if SMOOTH:
             tot += tl.where(mask, x, 0.0)
         z = tl.where(mask, x, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(z - m_new)
+        if ENTROPY:
+            # shift the old sum to the new max first (guard: nothing seen yet, -inf * 0)
+            e = tl.where(s > 0, alpha * (e + (m - m_new) * s), 0.0)
+            e += tl.sum(tl.where(mask, p * (z - m_new), 0.0), axis=0)
+        s = s * alpha + tl.sum(p, axis=0)
         m = m_new
     t = tl.load(T + row)
     own = tl.load(OWN + row) != 0
-    xt = tl.load(base + t).to(tl.float32)
-    if HAS_CAP:
-        xt = cap * _tanh(xt * inv_cap)
+    xt = _z(tl.load(base + t).to(tl.float32), cap, inv_cap, inv_t, HAS_CAP, HAS_T)
     tl.store(MAX + row, m)
     tl.store(SUMEXP + row, s)
     tl.store(TGT + row, tl.where(own, xt, 0.0))
@@ -78,39 +91,47 @@ def _stats_kernel(
         tl.store(SUM + row, tl.sum(tot, axis=0))
     else:
         tl.store(SUM + row, 0.0)
+    if ENTROPY:
+        tl.store(ZEXP + row, e)
 
 
 @triton.jit
 def _grad_kernel(
-    X, stride_x, D, stride_d, T, OWN, LSE, G, W, cap, inv_cap, zl2, smooth_term, one_minus_eps,
-    HAS_CAP: tl.constexpr, ZLOSS: tl.constexpr, SMOOTH: tl.constexpr, BLOCK: tl.constexpr,
+    X, stride_x, D, stride_d, T, OWN, LSE, CA, CB, CC, CD, W, cap, inv_cap, inv_t, t_over_cap,
+    HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, HAS_B: tl.constexpr, HAS_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    # d obj/d z_j = p_j (a + b (z_j - lse)) - c [j == t] - d, then the softcap / temperature chain
     row = tl.program_id(0).to(tl.int64)
     xb = X + row * stride_x
     db = D + row * stride_d
     cols = tl.arange(0, BLOCK)
     lse = tl.load(LSE + row).to(tl.float32)
-    g = tl.load(G + row).to(tl.float32)
-    coef = g
-    if ZLOSS:
-        coef = g * (1.0 + zl2 * lse)
+    a = tl.load(CA + row).to(tl.float32)
+    b = 0.0
+    if HAS_B:
+        b = tl.load(CB + row).to(tl.float32)
+    sub = 0.0
+    if HAS_D:
+        sub = tl.load(CD + row).to(tl.float32)
     t = tl.load(T + row)
-    hit = tl.where(tl.load(OWN + row) != 0, g * one_minus_eps, 0.0)
-    sub = g * smooth_term
+    hit = tl.where(tl.load(OWN + row) != 0, tl.load(CC + row).to(tl.float32), 0.0)
     for start in range(0, W, BLOCK):
         idx = start + cols
         mask = idx < W
-        x = tl.load(xb + idx, mask=mask, other=0.0).to(tl.float32)
-        z = x
-        if HAS_CAP:
-            z = cap * _tanh(x * inv_cap)
-        d = tl.exp(z - lse) * coef
-        if SMOOTH:
+        z = _z(tl.load(xb + idx, mask=mask, other=0.0).to(tl.float32), cap, inv_cap, inv_t, HAS_CAP, HAS_T)
+        logp = z - lse
+        if HAS_B:
+            d = tl.exp(logp) * (a + b * logp)
+        else:
+            d = tl.exp(logp) * a
+        if HAS_D:
             d = d - sub
         d = tl.where(idx == t, d - hit, d)
         if HAS_CAP:
-            r = z * inv_cap
+            r = z * t_over_cap
             d = d * (1.0 - r * r)
+        if HAS_T:
+            d = d * inv_t
         tl.store(db + idx, d.to(D.dtype.element_ty), mask=mask)
 
 
@@ -124,6 +145,13 @@ def _rowwise(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _transform_args(spec):
+    cap = float(spec.softcap) if spec.softcap is not None else 1.0
+    temp = float(spec.temperature)
+    return dict(cap=cap, inv_cap=1.0 / cap, inv_t=1.0 / temp), dict(HAS_CAP=spec.softcap is not None,
+                                                                     HAS_T=temp != 1.0)
+
+
 def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, spec) -> stats.ChunkStats:
     """Drop-in for :func:`vparallel_ce.stats.local_stats`."""
     c, width = x.shape if x.dim() == 2 else (0, 0)
@@ -132,46 +160,51 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
     x = _rowwise(x)
     f32 = dict(dtype=torch.float32, device=x.device)
     m, se, tg, sm = (torch.empty(c, **f32) for _ in range(4))
+    zexp = torch.empty(c, **f32) if spec.entropy else sm  # a dummy pointer without entropy
     own = owned.contiguous().view(torch.int8) if owned.dtype == torch.bool else owned.contiguous()
     block, warps = _launch_cfg(width, x.element_size())
-    cap = float(spec.softcap) if spec.softcap is not None else 1.0
+    args, flags = _transform_args(spec)
     _stats_kernel[(c,)](
-        x, x.stride(0), local_target.contiguous(), own, m, se, tg, sm, width, cap, 1.0 / cap,
-        HAS_CAP=spec.softcap is not None, SMOOTH=spec.label_smoothing > 0, BLOCK=block, num_warps=warps,
+        x, x.stride(0), local_target.contiguous(), own, m, se, tg, sm, zexp, width, args["cap"], args["inv_cap"],
+        args["inv_t"], SMOOTH=spec.label_smoothing > 0, ENTROPY=spec.entropy, BLOCK=block, num_warps=warps, **flags,
     )
-    return stats.ChunkStats(m, se, tg, sm, owned.to(torch.float32))
+    return stats.ChunkStats(m, se, tg, sm, owned.to(torch.float32), zexp if spec.entropy else None)
 
 
-def _grad(x, out, local_target, owned, lse, gscale, spec):
+def _grad(x, out, local_target, owned, lse, coefs, spec):
     c, width = x.shape
     own = owned.contiguous().view(torch.int8) if owned.dtype == torch.bool else owned.contiguous()
     block, warps = _launch_cfg(width, x.element_size())
-    cap = float(spec.softcap) if spec.softcap is not None else 1.0
-    eps = float(spec.label_smoothing)
+    args, flags = _transform_args(spec)
+
+    def f32(t):
+        return t.to(torch.float32).contiguous()
+
+    a = f32(coefs.a)
     _grad_kernel[(c,)](
-        x, x.stride(0), out, out.stride(0), local_target.contiguous(), own,
-        lse.to(torch.float32).contiguous(), gscale.to(torch.float32).contiguous(), width, cap, 1.0 / cap,
-        2.0 * float(spec.z_loss), eps / spec.vocab_size, 1.0 - eps,
-        HAS_CAP=spec.softcap is not None, ZLOSS=spec.z_loss > 0, SMOOTH=eps > 0, BLOCK=block, num_warps=warps,
+        x, x.stride(0), out, out.stride(0), local_target.contiguous(), own, f32(lse), a,
+        a if coefs.b is None else f32(coefs.b), f32(coefs.c), a if coefs.d is None else f32(coefs.d), width,
+        args["cap"], args["inv_cap"], args["inv_t"], float(spec.temperature) / args["cap"],
+        HAS_B=coefs.b is not None, HAS_D=coefs.d is not None, BLOCK=block, num_warps=warps, **flags,
     )
     return out
 
 
-def grad_logits(x, local_target, owned, lse, gscale, spec, out_dtype=None) -> torch.Tensor:
+def grad_logits(x, local_target, owned, lse, coefs, spec, out_dtype=None) -> torch.Tensor:
     """Drop-in for :func:`vparallel_ce.stats.grad_logits`."""
     out_dtype = out_dtype or x.dtype
     if not _covered(x) or out_dtype not in _DTYPES or x.shape[0] == 0 or x.shape[1] == 0:
-        return stats.grad_logits(x, local_target, owned, lse, gscale, spec, out_dtype)
+        return stats.grad_logits(x, local_target, owned, lse, coefs, spec, out_dtype)
     x = _rowwise(x)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    return _grad(x, out, local_target, owned, lse, gscale, spec)
+    return _grad(x, out, local_target, owned, lse, coefs, spec)
 
 
-def grad_logits_(x, local_target, owned, lse, gscale, spec) -> torch.Tensor:
+def grad_logits_(x, local_target, owned, lse, coefs, spec) -> torch.Tensor:
     """:func:`grad_logits` written over ``x`` (in the logits' dtype); returns ``x``."""
     if not _covered(x) or x.stride(-1) != 1 or x.shape[0] == 0 or x.shape[1] == 0:
-        return x.copy_(stats.grad_logits(x, local_target, owned, lse, gscale, spec))
-    return _grad(x, x, local_target, owned, lse, gscale, spec)
+        return x.copy_(stats.grad_logits(x, local_target, owned, lse, coefs, spec))
+    return _grad(x, x, local_target, owned, lse, coefs, spec)
 
 
 OPS = SimpleNamespace(name="triton", local_stats=local_stats, grad_logits=grad_logits, grad_logits_=grad_logits_)

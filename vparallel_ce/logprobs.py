@@ -1,0 +1,220 @@
+r"""Per-token log-probs and entropy for RL post-training, kept vocab-sharded.
+
+With ``z = logits / T`` over the GLOBAL vocab (``T`` the sampling temperature), per token::
+
+    logp_i = z_{i, t_i} - lse_i,        lse_i = log sum_j exp z_ij
+    H_i    = -sum_j p_ij log p_ij,      p_ij = exp(z_ij - lse_i)
+
+Both come out of the statistics pass of the loss ops (:mod:`vparallel_ce.stats`): ``logp`` needs the
+target logit and ``lse`` the loss already has; the entropy needs one more per-token float,
+``E = sum_j e^{z_j - m} (z_j - m)``, joined in the same SUM all-reduce -- no extra collective. Both
+outputs are differentiable in any combination (a policy-gradient term on ``logp`` plus an entropy
+bonus): the backward is the loss ops' gradient pass with the coefficients of
+:func:`vparallel_ce.stats.logprob_grad_coefs`, local to each shard.
+
+Works with: any TP degree with uneven and empty shards, DTensor logits ``Shard(-1)`` / weight
+``Shard(0)``, sequence parallelism (the outputs are this rank's tokens; ``weight.grad`` sums over
+the whole group's tokens), ``torch.autocast`` for the linear op, V of any size (no multiple-of-128
+assumption), logits of any magnitude (statistics relative to the running max, which starts at -inf).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kernels
+from .call import Call, linear_call, logits_call
+from .linear import Grads, Schedule, matmul_inputs
+from .stats import compute_dtype, local_targets, logprob_grad_coefs, token_slices, combine
+from .validate import check_owned
+
+__all__ = ["token_logprobs", "linear_token_logprobs"]
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    group=None,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    with_entropy: bool = False,
+    chunks: int | str = "auto",
+    check: bool = True,
+):
+    r"""``log_softmax(logits / temperature)[target]`` per token, from logits sharded along the vocab.
+
+    Args:
+        logits: ``[..., V_local]``, this rank's ``torch.chunk`` slice of the full logits, or a
+            DTensor ``Shard(-1)`` (as in :func:`vparallel_ce.cross_entropy`).
+        target: ``[...]`` global ids, the same on every rank; ``ignore_index`` marks tokens without
+            a value (their outputs and gradients are 0).
+        temperature: ``T > 0``; the distribution is ``softmax(logits / T)``.
+        with_entropy: also return the entropy of that distribution per token.
+        group, vocab_size, chunks, check: as in :func:`vparallel_ce.cross_entropy`.
+
+    Returns:
+        ``logprobs`` of ``target``'s shape, fp32 (fp64 for fp64 logits); with ``with_entropy`` the
+        pair ``(logprobs, entropy)``. Equal to ``-cross_entropy(logits / T, target, reduction="none")``.
+    """
+    call, inp = logits_call(logits, target, group=group, vocab_size=vocab_size, reduction="none", chunks=chunks,
+                            check=check, entropy=with_entropy, ignore_index=ignore_index, temperature=temperature)
+    logp, entropy = _TokenLogprobs.apply(inp.x, inp.target, call)
+    logp = logp.reshape(inp.shape)
+    return (logp, entropy.reshape(inp.shape)) if with_entropy else logp
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    group=None,
+    sequence_parallel: bool = False,
+    vocab_size: int | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    with_entropy: bool = False,
+    chunks: int | str = "auto",
+    check: bool = True,
+):
+    r""":func:`token_logprobs` of ``hidden @ weight.T + bias`` without materialising the
+    ``[N, V_local]`` logits: the statistics pass of :func:`vparallel_ce.linear_cross_entropy` in
+    forward, its gradient pass (recomputing the logits) in backward.
+
+    Args:
+        hidden, weight, bias, group, sequence_parallel, vocab_size: as in
+            :func:`vparallel_ce.linear_cross_entropy`. With ``sequence_parallel`` the outputs are
+            this rank's tokens (``target`` is split like ``hidden``).
+        temperature, ignore_index, with_entropy, check: as in :func:`token_logprobs`.
+        chunks: token chunks (an int) or ``"auto"`` (the policy, which may walk vocab blocks).
+
+    Returns:
+        As :func:`token_logprobs`: fp32 (fp64 for fp64 inputs) per-token values of ``target``'s
+        shape. Gradients: ``weight.grad``/``bias.grad`` this shard's, ``hidden.grad`` the full one
+        (this rank's rows with ``sequence_parallel``), each in its input's dtype.
+    """
+    call, inp = linear_call(hidden, weight, target, bias, group=group, sequence_parallel=sequence_parallel,
+                            vocab_size=vocab_size, reduction="none", chunks=chunks, schedule="auto", recompute=None,
+                            policy=None, check=check, entropy=with_entropy, ignore_index=ignore_index,
+                            temperature=temperature)
+    logp, entropy = _LinearTokenLogprobs.apply(inp.h, inp.w, inp.b, inp.target, call)
+    logp = logp.reshape(inp.shape)
+    return (logp, entropy.reshape(inp.shape)) if with_entropy else logp
+
+
+def _outputs(st, valid):
+    """Per-token ``(logp, entropy)`` from the global statistics; 0 on ignored tokens."""
+    zero = torch.zeros_like(st.lse)
+    logp = torch.where(valid, st.target - st.lse, zero)
+    entropy = torch.where(valid, st.entropy, zero) if st.entropy is not None else zero
+    return logp, entropy
+
+
+def _coefs(g_logp, g_entropy, valid, entropy, like: torch.Tensor, call: Call):
+    """Gradient coefficients of the chunk's rows for the upstream gradients (None = unused output)."""
+    v = valid.to(like.dtype)
+    g_lp = torch.zeros_like(like) if g_logp is None else g_logp.to(like.dtype) * v
+    g_h = None if g_entropy is None or not call.spec.entropy else g_entropy.to(like.dtype) * v
+    return logprob_grad_coefs(g_lp, g_h, entropy)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """Forward: statistics per token chunk. Backward: the local gradient pass."""
+
+    @staticmethod
+    def forward(ctx, x, target, call: Call):
+        with torch.autocast(x.device.type, enabled=False):
+            lay, spec = call.layout, call.spec
+            ops = kernels.ops_for(x)
+            local_t, owned, valid = local_targets(target, lay.offset, lay.local_size, spec.ignore_index)
+            cdt = compute_dtype(x.dtype)
+            n = x.shape[0]
+            lse, logp, entropy, owned_total = (torch.empty(n, dtype=cdt, device=x.device) for _ in range(4))
+            for sl in token_slices(n, call.plan.chunks):
+                st = combine(ops.local_stats(x[sl], local_t[sl], owned[sl], spec), lay)
+                lse[sl], owned_total[sl] = st.lse, st.owned
+                logp[sl], entropy[sl] = _outputs(st, valid[sl])
+            if call.check:
+                check_owned(owned_total, valid, target, spec.vocab_size)
+            ctx.save_for_backward(x, target, lse, entropy)
+            ctx.call = call
+            ctx.set_materialize_grads(False)
+            return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        x, target, lse, entropy = ctx.saved_tensors
+        call = ctx.call
+        lay, spec = call.layout, call.spec
+        if g_logp is None and g_entropy is None:  # local: no collective in this backward
+            return None, None, None
+        with torch.autocast(x.device.type, enabled=False):
+            ops = kernels.ops_for(x)
+            local_t, owned, valid = local_targets(target, lay.offset, lay.local_size, spec.ignore_index)
+            coefs = _coefs(g_logp, g_entropy, valid, entropy, lse, call)
+            dx = torch.empty_like(x)
+            for sl in token_slices(x.shape[0], call.plan.chunks):
+                part = type(coefs)(*(None if k is None else k[sl] for k in coefs))
+                dx[sl] = ops.grad_logits(x[sl], local_t[sl], owned[sl], lse[sl], part, spec)
+        return dx, None, None
+
+
+class _LinearTokenLogprobs(torch.autograd.Function):
+    """Forward: the statistics step of the call's :class:`~vparallel_ce.linear.Schedule`;
+    backward: its gradient step (logits recomputed)."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, t, call: Call):
+        with torch.autocast(h.device.type, enabled=False):
+            hm, wm, bm = matmul_inputs(call, h, w, b)
+            ops = kernels.ops_for(wm)
+            sched = Schedule.of(call, grads_now=False)
+            rows = sched.rows(call)
+            lse, entropy, mine, checks = [], [], [], []
+            for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
+                st, _ = sched.statistics(call, ops, h_c, wm, bm, local_t, owned)
+                logp_c, entropy_c = _outputs(st, valid)
+                lse.append(st.lse)
+                entropy.append(entropy_c)
+                mine.append((rows.own(c, logp_c), rows.own(c, entropy_c)))
+                checks.append((st.owned, valid, t_c))
+            if call.check:
+                check_owned(*(torch.cat(parts) for parts in zip(*checks)), call.spec.vocab_size)
+            ctx.save_for_backward(h, w, b, t, torch.cat(lse), torch.cat(entropy))
+            ctx.call = call
+            ctx.set_materialize_grads(False)
+            logp, ent = (torch.cat(parts) for parts in zip(*mine))
+            return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        h, w, b, t, lse, entropy = ctx.saved_tensors
+        call = ctx.call
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
+        if not any(need):
+            return None, None, None, None, None
+        if call.layout.sharded:
+            # this backward runs collectives (dh over the group, rows with SP): every rank takes the
+            # same path, whichever outputs its own loss used
+            g_logp = torch.zeros_like(lse[: t.numel()]) if g_logp is None else g_logp
+            if call.spec.entropy and g_entropy is None:
+                g_entropy = torch.zeros_like(g_logp)
+        elif g_logp is None and g_entropy is None:
+            return None, None, None, None, None
+        with torch.autocast(h.device.type, enabled=False):
+            hm, wm, bm = matmul_inputs(call, h, w, b)
+            ops = kernels.ops_for(wm)
+            sched = Schedule.of(call, grads_now=False)
+            rows = sched.rows(call)
+            grads = Grads(h, w, b, need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)
+            at = 0
+            for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
+                lse_c, ent_c, at = lse[at : at + t_c.shape[0]], entropy[at : at + t_c.shape[0]], at + t_c.shape[0]
+                g_lp = None if g_logp is None else rows.gather(c, g_logp.reshape(-1))
+                g_h = None if g_entropy is None else rows.gather(c, g_entropy.reshape(-1))
+                coefs = _coefs(g_lp, g_h, valid, ent_c, lse_c, call)
+                sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, lse_c, coefs, [], grads)
+            return grads.finish(rows) + (None, None)
