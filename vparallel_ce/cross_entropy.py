@@ -16,11 +16,11 @@ import torch
 from . import kernels
 from .call import Call, logits_call
 from .stats import (
-    combine, compute_dtype, local_targets, loss_grad_coefs, reduce, token_grad_scale, token_loss, token_slices,
+    GradCoefs, TokenStats, combine, local_targets, loss_grad_coefs, reduce, token_grad_scale, token_loss, token_slices,
 )
 from .validate import check_owned
 
-__all__ = ["cross_entropy"]
+__all__ = ["cross_entropy", "logits_statistics", "logits_gradient"]
 
 
 def cross_entropy(
@@ -69,6 +69,35 @@ def cross_entropy(
     return out.reshape(inp.shape) if reduction == "none" else out
 
 
+def logits_statistics(x: torch.Tensor, target: torch.Tensor, call: Call) -> tuple[TokenStats, torch.Tensor]:
+    """The statistics pass over ``[N, V_local]`` logits, chunk by chunk (one exchange per chunk):
+    the global per-token statistics of all ``N`` tokens and the valid mask. Raises on every rank
+    when a valid target lies outside the vocab (``call.check``)."""
+    lay, spec = call.layout, call.spec
+    ops = kernels.ops_for(x)
+    local_t, owned, valid = local_targets(target, lay.offset, lay.local_size, spec.ignore_index)
+    parts = [combine(ops.local_stats(x[sl], local_t[sl], owned[sl], spec), lay)
+             for sl in token_slices(x.shape[0], call.plan.chunks)]
+    st = TokenStats(*(None if f[0] is None else torch.cat(f) for f in zip(*parts)))
+    if call.check:
+        check_owned(st.owned, valid, target, spec.vocab_size)
+    return st, valid
+
+
+def logits_gradient(x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, coefs: GradCoefs,
+                    call: Call) -> torch.Tensor:
+    """The gradient pass: ``d obj / d x`` chunk by chunk for the per-token coefficients ``coefs``
+    of all ``N`` tokens, in the logits' dtype. Local, no collective."""
+    lay, spec = call.layout, call.spec
+    ops = kernels.ops_for(x)
+    local_t, owned, _ = local_targets(target, lay.offset, lay.local_size, spec.ignore_index)
+    dx = torch.empty_like(x)
+    for sl in token_slices(x.shape[0], call.plan.chunks):
+        part = GradCoefs(*(None if k is None else k[sl] for k in coefs))
+        dx[sl] = ops.grad_logits(x[sl], local_t[sl], owned[sl], lse[sl], part, spec)
+    return dx
+
+
 class _CrossEntropy(torch.autograd.Function):
     """Thin autograd wrapper: forward = statistics per chunk; backward = local softmax gradient.
     Autocast is off inside: the math is explicit fp32 (fp64 for fp64 logits)."""
@@ -76,36 +105,18 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, target, call: Call):
         with torch.autocast(x.device.type, enabled=False):
-            lay, spec = call.layout, call.spec
-            ops = kernels.ops_for(x)
-            local_t, owned, valid = local_targets(target, lay.offset, lay.local_size, spec.ignore_index)
-            cdt = compute_dtype(x.dtype)
-            n = x.shape[0]
-            lse = torch.empty(n, dtype=cdt, device=x.device)
-            per_token = torch.empty(n, dtype=cdt, device=x.device)
-            owned_total = torch.empty(n, dtype=cdt, device=x.device)
-            for sl in token_slices(n, call.plan.chunks):
-                st = combine(ops.local_stats(x[sl], local_t[sl], owned[sl], spec), lay)
-                lse[sl], owned_total[sl] = st.lse, st.owned
-                per_token[sl] = token_loss(st, valid[sl], spec)
-            if call.check:
-                check_owned(owned_total, valid, target, spec.vocab_size)
+            st, valid = logits_statistics(x, target, call)
             n_valid = valid.sum()
-            ctx.save_for_backward(x, target, lse, n_valid)
+            ctx.save_for_backward(x, target, st.lse, n_valid)
             ctx.call = call
-            return reduce(per_token, n_valid, call.reduction)
+            return reduce(token_loss(st, valid, call.spec), n_valid, call.reduction)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, target, lse, n_valid = ctx.saved_tensors
         call = ctx.call
-        lay, spec = call.layout, call.spec
         with torch.autocast(x.device.type, enabled=False):
-            ops = kernels.ops_for(x)
-            local_t, owned, valid = local_targets(target, lay.offset, lay.local_size, spec.ignore_index)
+            valid = target != call.spec.ignore_index
             gscale = token_grad_scale(grad_out, valid, n_valid, call.reduction, lse.dtype)
-            dx = torch.empty_like(x)
-            for sl in token_slices(x.shape[0], call.plan.chunks):
-                coefs = loss_grad_coefs(lse[sl], gscale[sl], spec)
-                dx[sl] = ops.grad_logits(x[sl], local_t[sl], owned[sl], lse[sl], coefs, spec)
+            dx = logits_gradient(x, target, lse, loss_grad_coefs(lse, gscale, call.spec), call)
         return dx, None, None

@@ -24,8 +24,9 @@ import torch
 
 from . import kernels
 from .call import Call, linear_call, logits_call
+from .cross_entropy import logits_gradient, logits_statistics
 from .linear import Grads, Schedule, matmul_inputs
-from .stats import compute_dtype, local_targets, logprob_grad_coefs, token_slices, combine
+from .stats import compute_dtype, logprob_grad_coefs
 from .validate import check_owned
 
 __all__ = ["token_logprobs", "linear_token_logprobs"]
@@ -122,24 +123,14 @@ def _coefs(g_logp, g_entropy, valid, entropy, like: torch.Tensor, call: Call):
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """Forward: statistics per token chunk. Backward: the local gradient pass."""
+    """Forward: the statistics pass of ``cross_entropy``. Backward: its local gradient pass."""
 
     @staticmethod
     def forward(ctx, x, target, call: Call):
         with torch.autocast(x.device.type, enabled=False):
-            lay, spec = call.layout, call.spec
-            ops = kernels.ops_for(x)
-            local_t, owned, valid = local_targets(target, lay.offset, lay.local_size, spec.ignore_index)
-            cdt = compute_dtype(x.dtype)
-            n = x.shape[0]
-            lse, logp, entropy, owned_total = (torch.empty(n, dtype=cdt, device=x.device) for _ in range(4))
-            for sl in token_slices(n, call.plan.chunks):
-                st = combine(ops.local_stats(x[sl], local_t[sl], owned[sl], spec), lay)
-                lse[sl], owned_total[sl] = st.lse, st.owned
-                logp[sl], entropy[sl] = _outputs(st, valid[sl])
-            if call.check:
-                check_owned(owned_total, valid, target, spec.vocab_size)
-            ctx.save_for_backward(x, target, lse, entropy)
+            st, valid = logits_statistics(x, target, call)
+            logp, entropy = _outputs(st, valid)
+            ctx.save_for_backward(x, target, st.lse, entropy)
             ctx.call = call
             ctx.set_materialize_grads(False)
             return logp, entropy
@@ -148,18 +139,11 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(ctx, g_logp, g_entropy):
         x, target, lse, entropy = ctx.saved_tensors
         call = ctx.call
-        lay, spec = call.layout, call.spec
         if g_logp is None and g_entropy is None:  # local: no collective in this backward
             return None, None, None
         with torch.autocast(x.device.type, enabled=False):
-            ops = kernels.ops_for(x)
-            local_t, owned, valid = local_targets(target, lay.offset, lay.local_size, spec.ignore_index)
-            coefs = _coefs(g_logp, g_entropy, valid, entropy, lse, call)
-            dx = torch.empty_like(x)
-            for sl in token_slices(x.shape[0], call.plan.chunks):
-                part = type(coefs)(*(None if k is None else k[sl] for k in coefs))
-                dx[sl] = ops.grad_logits(x[sl], local_t[sl], owned[sl], lse[sl], part, spec)
-        return dx, None, None
+            coefs = _coefs(g_logp, g_entropy, target != call.spec.ignore_index, entropy, lse, call)
+            return logits_gradient(x, target, lse, coefs, call), None, None
 
 
 class _LinearTokenLogprobs(torch.autograd.Function):
