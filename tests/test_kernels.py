@@ -74,11 +74,12 @@ _INTERPRETER_CHECKS = textwrap.dedent(
 
         lse = torch.logsumexp(stats._transform(x, spec), -1) + torch.rand(c) if width else torch.randn(c)
         gscale = valid.float() * (0.5 + torch.rand(c))
+        shift = lse - torch.rand(c)  # the global max; log S = lse - max
         if spec.entropy:  # a log-prob term and an entropy bonus, both with per-token weights
-            coefs = stats.logprob_grad_coefs(gscale, valid.float() * torch.randn(c), torch.rand(c))
+            coefs = stats.logprob_grad_coefs(gscale, valid.float() * torch.randn(c), torch.rand(c), lse - shift)
         else:
-            coefs = stats.loss_grad_coefs(lse, gscale, spec)
-        gscale = coefs
+            coefs = stats.loss_grad_coefs(shift, lse - shift, gscale, spec)
+        gscale, lse = coefs, shift
         ref = stats.grad_logits(x, local_t, owned, lse, gscale, spec)
         got = tc.grad_logits(x, local_t, owned, lse, gscale, spec)
         assert got.dtype == x.dtype and got.shape == x.shape

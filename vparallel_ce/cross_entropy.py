@@ -2,7 +2,7 @@
 
 Forward per token chunk: local statistics of the chunk (one read of the logits), one all-reduce MAX
 and one all-reduce SUM of four floats per token (:mod:`vparallel_ce.stats`). The backward recomputes
-each chunk's softmax from the saved input logits and the saved per-token ``lse`` and needs no
+each chunk's softmax from the saved input logits and the saved per-token ``(m, log S)`` and needs no
 collective. Extra memory: one chunk's fp32 working set in forward; the gradient buffer (logits'
 dtype) plus one chunk's fp32 working set in backward. The caller's logits are never modified.
 Works with: plain or DTensor ``Shard(-1)`` logits, any TP degree (uneven and empty shards),
@@ -84,17 +84,17 @@ def logits_statistics(x: torch.Tensor, target: torch.Tensor, call: Call) -> tupl
     return st, valid
 
 
-def logits_gradient(x: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, coefs: GradCoefs,
+def logits_gradient(x: torch.Tensor, target: torch.Tensor, shift: torch.Tensor, coefs: GradCoefs,
                     call: Call) -> torch.Tensor:
-    """The gradient pass: ``d obj / d x`` chunk by chunk for the per-token coefficients ``coefs``
-    of all ``N`` tokens, in the logits' dtype. Local, no collective."""
+    """The gradient pass: ``d obj / d x`` chunk by chunk for the per-token global max ``shift`` and
+    coefficients ``coefs`` of all ``N`` tokens, in the logits' dtype. Local, no collective."""
     lay, spec = call.layout, call.spec
     ops = kernels.ops_for(x)
     local_t, owned, _ = local_targets(target, lay.offset, lay.local_size, spec.ignore_index)
     dx = torch.empty_like(x)
     for sl in token_slices(x.shape[0], call.plan.chunks):
         part = GradCoefs(*(None if k is None else k[sl] for k in coefs))
-        dx[sl] = ops.grad_logits(x[sl], local_t[sl], owned[sl], lse[sl], part, spec)
+        dx[sl] = ops.grad_logits(x[sl], local_t[sl], owned[sl], shift[sl], part, spec)
     return dx
 
 
@@ -107,16 +107,16 @@ class _CrossEntropy(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             st, valid = logits_statistics(x, target, call)
             n_valid = valid.sum()
-            ctx.save_for_backward(x, target, st.lse, n_valid)
+            ctx.save_for_backward(x, target, st.max, st.log_s, n_valid)
             ctx.call = call
             return reduce(token_loss(st, valid, call.spec), n_valid, call.reduction)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, target, lse, n_valid = ctx.saved_tensors
+        x, target, m, log_s, n_valid = ctx.saved_tensors
         call = ctx.call
         with torch.autocast(x.device.type, enabled=False):
             valid = target != call.spec.ignore_index
-            gscale = token_grad_scale(grad_out, valid, n_valid, call.reduction, lse.dtype)
-            dx = logits_gradient(x, target, lse, loss_grad_coefs(lse, gscale, call.spec), call)
+            gscale = token_grad_scale(grad_out, valid, n_valid, call.reduction, m.dtype)
+            dx = logits_gradient(x, target, m, loss_grad_coefs(m, log_s, gscale, call.spec), call)
         return dx, None, None

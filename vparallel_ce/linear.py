@@ -6,7 +6,7 @@ column blocks** and runs the same two steps for every chunk (:class:`Schedule`):
 
 * **statistics**: per block ``x_b = h_c W_b^T`` (matmul 1), its local statistics, merged over the
   blocks (online softmax), then ONE exchange for the chunk (all-reduce MAX + SUM);
-* **gradients**: per block ``dx_b`` from the global ``lse`` (the kept ``x_b``, or recomputed: one more
+* **gradients**: per block ``dx_b`` from the global statistics (the kept ``x_b``, or recomputed: one more
   matmul), ``dh_c += dx_b W_b`` (matmul 2) and ``dW_b (+)= dx_b^T h_c`` (matmul 3).
 
 The two schedules are two shapes of that walk:
@@ -168,13 +168,13 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate:
 _CUDA_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
-def _grad_in_place(ops, x, local_t, owned, lse, coefs, spec):
+def _grad_in_place(ops, x, local_t, owned, shift, coefs, spec):
     """``grad_logits`` of a block's logits that this op owns (a temporary of ``F.linear``): written
     over them when the implementation can (one block-sized buffer less, no extra allocation)."""
     in_place = getattr(ops, "grad_logits_", None)
     if in_place is not None:
-        return in_place(x, local_t, owned, lse, coefs, spec)
-    return ops.grad_logits(x, local_t, owned, lse, coefs, spec)
+        return in_place(x, local_t, owned, shift, coefs, spec)
+    return ops.grad_logits(x, local_t, owned, shift, coefs, spec)
 
 
 def _in_block(local_t: torch.Tensor, owned: torch.Tensor, blk: slice):
@@ -278,10 +278,11 @@ class Schedule:
             del x  # else the next block's logits are allocated while this one's are still alive
         return combine(acc, call.layout), kept
 
-    def gradients(self, call: Call, ops, rows: Rows, c: int, h_c, w, b, local_t, owned, lse, coefs,
+    def gradients(self, call: Call, ops, rows: Rows, c: int, h_c, w, b, local_t, owned, shift, coefs,
                   kept: list, grads: Grads) -> None:
         """Chunk ``c``'s gradients, block by block, into ``grads``: each block's ``dx`` from its kept
-        logits or recomputed (``coefs``: :class:`vparallel_ce.stats.GradCoefs` of the chunk's rows),
+        logits or recomputed (``shift``, ``coefs``: the global max and the
+        :class:`vparallel_ce.stats.GradCoefs` of the chunk's rows),
         then ``dh += dx W_b``, ``dW_b (+)= dx^T h_c``, ``db_b += sum dx``."""
         dh_rows = grads.rows_of(rows, c, h_c)
         for i, blk in enumerate(self.blocks):
@@ -291,7 +292,7 @@ class Schedule:
             if kept:
                 kept[i] = None  # its memory is reused by the gradient, then freed
             idx, in_blk = _in_block(local_t, owned, blk)
-            dx = _grad_in_place(ops, x, idx, in_blk, lse, coefs, call.spec)
+            dx = _grad_in_place(ops, x, idx, in_blk, shift, coefs, call.spec)
             grads.add_block(blk, dx, h_c, w[blk], dh_rows)
             del x, dx  # free this block before the next one's logits are allocated
         grads.end_chunk(rows, c, dh_rows)
@@ -321,22 +322,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
             cdt = compute_dtype(wm.dtype)
             grads = Grads(h, w, b, need, acc_dtype=cdt, rows=rows, schedule=sched) if grads_now else None
             gscale_of = _gscale_fn(torch.ones((), dtype=cdt, device=w.device), n_valid, call)
-            lse, per_token, checks = [], [], []
+            shift, per_token, checks = [], [], []
             for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
                 st, kept = sched.statistics(call, ops, h_c, wm, bm, local_t, owned)
-                lse.append(st.lse)
+                shift.append(torch.stack([st.max, st.log_s]))
                 per_token.append(_keep(rows, c, token_loss(st, valid, spec), call.reduction))
                 checks.append((st.owned, valid, t_c))
                 if grads is not None:
-                    coefs = loss_grad_coefs(st.lse, gscale_of(rows, c, valid), spec)
-                    sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, st.lse, coefs, kept, grads)
+                    coefs = loss_grad_coefs(st.max, st.log_s, gscale_of(rows, c, valid), spec)
+                    sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, st.max, coefs, kept, grads)
             if call.check:
                 check_owned(*(torch.cat(parts) for parts in zip(*checks)), spec.vocab_size)
             ctx.call, ctx.need, ctx.grads_now = call, need, grads is not None
             if grads is not None:  # only [N, H] / [V_loc, H] gradients are kept, no logits
                 ctx.save_for_backward(*grads.finish(rows))
             else:
-                ctx.save_for_backward(h, w, b, t, torch.cat(lse), n_valid)
+                ctx.save_for_backward(h, w, b, t, torch.cat(shift, dim=1), n_valid)
             return reduce(torch.cat(per_token), n_valid, call.reduction)
 
     @staticmethod
@@ -345,7 +346,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if ctx.grads_now:  # made in forward for grad_out == 1: scale by the scalar
             grads = tuple(None if g is None else g * grad_out.to(g.dtype) for g in ctx.saved_tensors)
             return grads + (None, None)
-        h, w, b, t, lse, n_valid = ctx.saved_tensors
+        h, w, b, t, shift, n_valid = ctx.saved_tensors
         with torch.autocast(h.device.type, enabled=False):
             hm, wm, bm = matmul_inputs(call, h, w, b)
             ops = kernels.ops_for(wm)
@@ -355,9 +356,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             gscale_of = _gscale_fn(grad_out, n_valid, call)
             at = 0
             for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
-                lse_c, at = lse[at : at + t_c.shape[0]], at + t_c.shape[0]
-                coefs = loss_grad_coefs(lse_c, gscale_of(rows, c, valid), call.spec)
-                sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, lse_c, coefs, [], grads)
+                (m_c, log_s_c), at = shift[:, at : at + t_c.shape[0]], at + t_c.shape[0]
+                coefs = loss_grad_coefs(m_c, log_s_c, gscale_of(rows, c, valid), call.spec)
+                sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, m_c, coefs, [], grads)
             return grads.finish(rows) + (None, None)
 
 

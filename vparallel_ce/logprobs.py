@@ -109,17 +109,17 @@ def linear_token_logprobs(
 def _outputs(st, valid):
     """Per-token ``(logp, entropy)`` from the global statistics; 0 on ignored tokens."""
     zero = torch.zeros_like(st.lse)
-    logp = torch.where(valid, st.target - st.lse, zero)
+    logp = torch.where(valid, (st.target - st.max) - st.log_s, zero)  # relative to the max: exact
     entropy = torch.where(valid, st.entropy, zero) if st.entropy is not None else zero
     return logp, entropy
 
 
-def _coefs(g_logp, g_entropy, valid, entropy, like: torch.Tensor, call: Call):
+def _coefs(g_logp, g_entropy, valid, entropy, log_s: torch.Tensor, call: Call):
     """Gradient coefficients of the chunk's rows for the upstream gradients (None = unused output)."""
-    v = valid.to(like.dtype)
-    g_lp = torch.zeros_like(like) if g_logp is None else g_logp.to(like.dtype) * v
-    g_h = None if g_entropy is None or not call.spec.entropy else g_entropy.to(like.dtype) * v
-    return logprob_grad_coefs(g_lp, g_h, entropy)
+    v = valid.to(log_s.dtype)
+    g_lp = torch.zeros_like(log_s) if g_logp is None else g_logp.to(log_s.dtype) * v
+    g_h = None if g_entropy is None or not call.spec.entropy else g_entropy.to(log_s.dtype) * v
+    return logprob_grad_coefs(g_lp, g_h, entropy, log_s)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -130,20 +130,20 @@ class _TokenLogprobs(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             st, valid = logits_statistics(x, target, call)
             logp, entropy = _outputs(st, valid)
-            ctx.save_for_backward(x, target, st.lse, entropy)
+            ctx.save_for_backward(x, target, st.max, st.log_s, entropy)
             ctx.call = call
             ctx.set_materialize_grads(False)
             return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        x, target, lse, entropy = ctx.saved_tensors
+        x, target, m, log_s, entropy = ctx.saved_tensors
         call = ctx.call
         if g_logp is None and g_entropy is None:  # local: no collective in this backward
             return None, None, None
         with torch.autocast(x.device.type, enabled=False):
-            coefs = _coefs(g_logp, g_entropy, target != call.spec.ignore_index, entropy, lse, call)
-            return logits_gradient(x, target, lse, coefs, call), None, None
+            coefs = _coefs(g_logp, g_entropy, target != call.spec.ignore_index, entropy, log_s, call)
+            return logits_gradient(x, target, m, coefs, call), None, None
 
 
 class _LinearTokenLogprobs(torch.autograd.Function):
@@ -157,17 +157,17 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             ops = kernels.ops_for(wm)
             sched = Schedule.of(call, grads_now=False)
             rows = sched.rows(call)
-            lse, entropy, mine, checks = [], [], [], []
+            shift, entropy, mine, checks = [], [], [], []
             for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
                 st, _ = sched.statistics(call, ops, h_c, wm, bm, local_t, owned)
                 logp_c, entropy_c = _outputs(st, valid)
-                lse.append(st.lse)
+                shift.append(torch.stack([st.max, st.log_s]))
                 entropy.append(entropy_c)
                 mine.append((rows.own(c, logp_c), rows.own(c, entropy_c)))
                 checks.append((st.owned, valid, t_c))
             if call.check:
                 check_owned(*(torch.cat(parts) for parts in zip(*checks)), call.spec.vocab_size)
-            ctx.save_for_backward(h, w, b, t, torch.cat(lse), torch.cat(entropy))
+            ctx.save_for_backward(h, w, b, t, torch.cat(shift, dim=1), torch.cat(entropy))
             ctx.call = call
             ctx.set_materialize_grads(False)
             logp, ent = (torch.cat(parts) for parts in zip(*mine))
@@ -175,7 +175,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        h, w, b, t, lse, entropy = ctx.saved_tensors
+        h, w, b, t, shift, entropy = ctx.saved_tensors
         call = ctx.call
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         if not any(need):
@@ -183,7 +183,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         if call.layout.sharded:
             # this backward runs collectives (dh over the group, rows with SP): every rank takes the
             # same path, whichever outputs its own loss used
-            g_logp = torch.zeros_like(lse[: t.numel()]) if g_logp is None else g_logp
+            g_logp = torch.zeros_like(entropy[: t.numel()]) if g_logp is None else g_logp
             if call.spec.entropy and g_entropy is None:
                 g_entropy = torch.zeros_like(g_logp)
         elif g_logp is None and g_entropy is None:
@@ -196,9 +196,10 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             grads = Grads(h, w, b, need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)
             at = 0
             for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
-                lse_c, ent_c, at = lse[at : at + t_c.shape[0]], entropy[at : at + t_c.shape[0]], at + t_c.shape[0]
+                (m_c, log_s_c), ent_c = shift[:, at : at + t_c.shape[0]], entropy[at : at + t_c.shape[0]]
+                at += t_c.shape[0]
                 g_lp = None if g_logp is None else rows.gather(c, g_logp.reshape(-1))
                 g_h = None if g_entropy is None else rows.gather(c, g_entropy.reshape(-1))
-                coefs = _coefs(g_lp, g_h, valid, ent_c, lse_c, call)
-                sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, lse_c, coefs, [], grads)
+                coefs = _coefs(g_lp, g_h, valid, ent_c, log_s_c, call)
+                sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, m_c, coefs, [], grads)
             return grads.finish(rows) + (None, None)

@@ -26,14 +26,21 @@ Forward, per chunk -- the only data that crosses ranks are a few floats per toke
 
 Backward, per chunk -- local only. Every op's gradient has the one form::
 
-    d obj/d z_j = p_j * (a_i + b_i * (z_j - lse)) - c_i [j == t] - d_i
+    d obj/d z_j = p_j * (a_i + b_i * log p_j) - c_i [j == t] - d_i,   log p_j = (z_j - m) - log S
     d obj/d x_j = d obj/d z_j * (1 - (T z_j / s)**2) / T       (softcap; 1 / T without)
 
-with per-token coefficients (:class:`GradCoefs`) from the upstream gradients (0 on ignored tokens):
+with per-token coefficients from the upstream gradients (0 on ignored tokens):
 
 * loss, upstream ``g``: ``a = g (1 + 2 zl lse)``, ``b = 0``, ``c = g (1 - eps)``, ``d = g eps / V``;
 * log-prob ``g_lp`` and entropy ``g_H``: ``a = -g_lp - g_H H``, ``b = -g_H``, ``c = -g_lp``,
   ``d = 0`` (from ``d logp / d z_j = [j == t] - p_j`` and ``d H / d z_j = -p_j (log p_j + H)``).
+
+The kernels evaluate it relative to the global max ``m``, never to ``lse``: with
+``p_j = e^{z_j - m} / S`` it is ``e^{z_j - m} (A + B (z_j - m)) - c [j == t] - d`` with
+``A = (a - b log S) / S``, ``B = b / S`` (:class:`GradCoefs`). ``z_j - m`` is exact in fp32 even for
+logits of magnitude 1e4, where ``lse = m + log S`` is not (its rounding, ~1e-3 there, would move
+every ``p_j`` by that much); the loss and ``logp`` are formed the same way, from ``z_t - m`` and
+``log S``.
 
 The same ``(m, S, E)`` merge across vocab blocks of one rank (:func:`merge`), which is how the
 vocab-blocked schedule of ``linear_cross_entropy`` builds its statistics before the one exchange.
@@ -84,16 +91,19 @@ class ChunkStats(NamedTuple):
 class TokenStats(NamedTuple):
     """Per-token statistics over the GLOBAL vocab (identical on every rank of the group)."""
 
-    lse: torch.Tensor
-    target: torch.Tensor
+    lse: torch.Tensor  # m + log S
+    target: torch.Tensor  # z_t
     sum: torch.Tensor
     owned: torch.Tensor
-    entropy: torch.Tensor | None = None  # H, with spec.entropy
+    entropy: torch.Tensor | None  # H, with spec.entropy
+    max: torch.Tensor  # m, the global max: the shift of the gradient pass
+    log_s: torch.Tensor  # log S = log sum_j exp(z_j - m)
 
 
 class GradCoefs(NamedTuple):
-    """Per-token ``[c]`` coefficients of ``d obj/d z_j = p_j (a + b (z_j - lse)) - c [j == t] - d``;
-    ``b`` and ``d`` are None where they are zero."""
+    """Per-token ``[c]`` coefficients of ``d obj/d z_j = e^{u_j} (a + b u_j) - c [j == t] - d`` with
+    ``u_j = z_j - m`` (``m`` the global max, passed as ``shift``); ``b`` and ``d`` are None where
+    they are zero."""
 
     a: torch.Tensor
     b: torch.Tensor | None
@@ -173,51 +183,56 @@ def combine(stats: ChunkStats, layout) -> TokenStats:
     sumexp, target, total, owned = packed[:4].unbind(0)
     log_s = torch.log(sumexp)
     entropy = log_s - packed[4] / sumexp if stats.zexp is not None else None
-    return TokenStats(m + log_s, target, total, owned, entropy)
+    return TokenStats(m + log_s, target, total, owned, entropy, m, log_s)
 
 
 def token_loss(st: TokenStats, valid: torch.Tensor, spec: LossSpec) -> torch.Tensor:
     """Per-token loss (0 for ignored tokens) from the global statistics."""
+    # lse - (1 - eps) z_t - (eps / V) sum z, each term relative to the max (exact for large logits)
     eps = spec.label_smoothing
-    loss = st.lse - (1.0 - eps) * st.target
+    loss = st.log_s - (1.0 - eps) * (st.target - st.max)
     if eps > 0:
-        loss = loss - (eps / spec.vocab_size) * st.sum
+        loss = loss - eps * (st.sum / spec.vocab_size - st.max)
     if spec.z_loss > 0:
         loss = loss + spec.z_loss * st.lse.square()
     return torch.where(valid, loss, torch.zeros_like(loss))
 
 
-def loss_grad_coefs(lse: torch.Tensor, gscale: torch.Tensor, spec: LossSpec) -> GradCoefs:
-    """Coefficients of the loss' gradient for the per-token upstream scale ``gscale``."""
-    a = gscale * (1.0 + 2.0 * spec.z_loss * lse) if spec.z_loss > 0 else gscale
+def loss_grad_coefs(m: torch.Tensor, log_s: torch.Tensor, gscale: torch.Tensor, spec: LossSpec) -> GradCoefs:
+    """Coefficients of the loss' gradient for the per-token upstream scale ``gscale``, given the
+    global max ``m`` and ``log S`` of the tokens."""
+    a = gscale * (1.0 + 2.0 * spec.z_loss * (m + log_s)) if spec.z_loss > 0 else gscale
     eps = spec.label_smoothing
-    return GradCoefs(a, None, gscale * (1.0 - eps), gscale * (eps / spec.vocab_size) if eps > 0 else None)
+    return GradCoefs(a * torch.exp(-log_s), None, gscale * (1.0 - eps),
+                     gscale * (eps / spec.vocab_size) if eps > 0 else None)
 
 
-def logprob_grad_coefs(g_logp: torch.Tensor, g_entropy: torch.Tensor | None, entropy) -> GradCoefs:
+def logprob_grad_coefs(g_logp: torch.Tensor, g_entropy: torch.Tensor | None, entropy, log_s) -> GradCoefs:
     """Coefficients of the gradient of ``sum_i g_logp_i logp_i + g_entropy_i H_i``."""
+    inv_s = torch.exp(-log_s)
     if g_entropy is None:
-        return GradCoefs(-g_logp, None, -g_logp, None)
-    return GradCoefs(-g_logp - g_entropy * entropy, -g_entropy, -g_logp, None)
+        return GradCoefs(-g_logp * inv_s, None, -g_logp, None)
+    a, b = -g_logp - g_entropy * entropy, -g_entropy
+    return GradCoefs((a - b * log_s) * inv_s, b * inv_s, -g_logp, None)
 
 
 def grad_logits(
     x: torch.Tensor,
     local_target: torch.Tensor,
     owned: torch.Tensor,
-    lse: torch.Tensor,
+    shift: torch.Tensor,
     coefs: GradCoefs,
     spec: LossSpec,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Backward of one ``[c, V_block]`` block: ``d obj / d x`` given the global ``lse`` and the
-    per-token coefficients (all 0 on ignored tokens). Local, no communication."""
+    """Backward of one ``[c, V_block]`` block: ``d obj / d x`` given the per-token ``shift`` (the
+    global max ``m``) and coefficients (all 0 on ignored tokens). Local, no communication."""
     z = _transform(x, spec)
-    logp = z - lse.unsqueeze(-1)
+    u = z - shift.unsqueeze(-1)
     factor = coefs.a.unsqueeze(-1)
     if coefs.b is not None:
-        factor = factor + coefs.b.unsqueeze(-1) * logp
-    d = torch.exp(logp) * factor
+        factor = factor + coefs.b.unsqueeze(-1) * u
+    d = torch.exp(u) * factor
     if coefs.d is not None:
         d = d - coefs.d.unsqueeze(-1)
     if z.shape[-1] > 0:

@@ -97,15 +97,16 @@ def _stats_kernel(
 
 @triton.jit
 def _grad_kernel(
-    X, stride_x, D, stride_d, T, OWN, LSE, CA, CB, CC, CD, W, cap, inv_cap, inv_t, t_over_cap,
+    X, stride_x, D, stride_d, T, OWN, SHIFT, CA, CB, CC, CD, W, cap, inv_cap, inv_t, t_over_cap,
     HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, HAS_B: tl.constexpr, HAS_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # d obj/d z_j = p_j (a + b (z_j - lse)) - c [j == t] - d, then the softcap / temperature chain
+    # d obj/d z_j = e^{u_j} (a + b u_j) - c [j == t] - d with u_j = z_j - m, then the softcap /
+    # temperature chain (stats.GradCoefs)
     row = tl.program_id(0).to(tl.int64)
     xb = X + row * stride_x
     db = D + row * stride_d
     cols = tl.arange(0, BLOCK)
-    lse = tl.load(LSE + row).to(tl.float32)
+    shift = tl.load(SHIFT + row).to(tl.float32)
     a = tl.load(CA + row).to(tl.float32)
     b = 0.0
     if HAS_B:
@@ -119,11 +120,11 @@ def _grad_kernel(
         idx = start + cols
         mask = idx < W
         z = _z(tl.load(xb + idx, mask=mask, other=0.0).to(tl.float32), cap, inv_cap, inv_t, HAS_CAP, HAS_T)
-        logp = z - lse
+        u = z - shift
         if HAS_B:
-            d = tl.exp(logp) * (a + b * logp)
+            d = tl.exp(u) * (a + b * u)
         else:
-            d = tl.exp(logp) * a
+            d = tl.exp(u) * a
         if HAS_D:
             d = d - sub
         d = tl.where(idx == t, d - hit, d)
@@ -171,7 +172,7 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
     return stats.ChunkStats(m, se, tg, sm, owned.to(torch.float32), zexp if spec.entropy else None)
 
 
-def _grad(x, out, local_target, owned, lse, coefs, spec):
+def _grad(x, out, local_target, owned, shift, coefs, spec):
     c, width = x.shape
     own = owned.contiguous().view(torch.int8) if owned.dtype == torch.bool else owned.contiguous()
     block, warps = _launch_cfg(width, x.element_size())
@@ -182,7 +183,7 @@ def _grad(x, out, local_target, owned, lse, coefs, spec):
 
     a = f32(coefs.a)
     _grad_kernel[(c,)](
-        x, x.stride(0), out, out.stride(0), local_target.contiguous(), own, f32(lse), a,
+        x, x.stride(0), out, out.stride(0), local_target.contiguous(), own, f32(shift), a,
         a if coefs.b is None else f32(coefs.b), f32(coefs.c), a if coefs.d is None else f32(coefs.d), width,
         args["cap"], args["inv_cap"], args["inv_t"], float(spec.temperature) / args["cap"],
         HAS_B=coefs.b is not None, HAS_D=coefs.d is not None, BLOCK=block, num_warps=warps, **flags,
@@ -190,21 +191,21 @@ def _grad(x, out, local_target, owned, lse, coefs, spec):
     return out
 
 
-def grad_logits(x, local_target, owned, lse, coefs, spec, out_dtype=None) -> torch.Tensor:
+def grad_logits(x, local_target, owned, shift, coefs, spec, out_dtype=None) -> torch.Tensor:
     """Drop-in for :func:`vparallel_ce.stats.grad_logits`."""
     out_dtype = out_dtype or x.dtype
     if not _covered(x) or out_dtype not in _DTYPES or x.shape[0] == 0 or x.shape[1] == 0:
-        return stats.grad_logits(x, local_target, owned, lse, coefs, spec, out_dtype)
+        return stats.grad_logits(x, local_target, owned, shift, coefs, spec, out_dtype)
     x = _rowwise(x)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    return _grad(x, out, local_target, owned, lse, coefs, spec)
+    return _grad(x, out, local_target, owned, shift, coefs, spec)
 
 
-def grad_logits_(x, local_target, owned, lse, coefs, spec) -> torch.Tensor:
+def grad_logits_(x, local_target, owned, shift, coefs, spec) -> torch.Tensor:
     """:func:`grad_logits` written over ``x`` (in the logits' dtype); returns ``x``."""
     if not _covered(x) or x.stride(-1) != 1 or x.shape[0] == 0 or x.shape[1] == 0:
-        return x.copy_(stats.grad_logits(x, local_target, owned, lse, coefs, spec))
-    return _grad(x, x, local_target, owned, lse, coefs, spec)
+        return x.copy_(stats.grad_logits(x, local_target, owned, shift, coefs, spec))
+    return _grad(x, x, local_target, owned, shift, coefs, spec)
 
 
 OPS = SimpleNamespace(name="triton", local_stats=local_stats, grad_logits=grad_logits, grad_logits_=grad_logits_)

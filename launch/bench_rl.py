@@ -1,0 +1,287 @@
+"""RL token log-probs + entropy, forward+backward: ``linear_token_logprobs`` against the loss op and the
+gathered computation, on one device (TP=1).
+
+For each shape N x H x V (tokens x hidden x vocab; bf16 hidden states and weight, random targets and
+advantages) and each method it measures
+
+* ``ms``: forward+backward time, median of ``--repeats`` after ``--warmup`` (CUDA events; host clock
+  on CPU);
+* ``peak``: ``max_memory_allocated`` during one more forward+backward minus what was allocated
+  before it (the resident inputs), so it includes the returned dh and dW (CUDA only);
+* ``err``: max |x - ref| / max |ref| of logp, entropy, dh and dW against the gathered computation in
+  float64 (``--ref-dtype``), token chunk by token chunk on the same device.
+
+Methods:
+
+* ``rl_fused`` -- ``logp, ent = vparallel_ce.linear_token_logprobs(h, W, t, with_entropy=True)``,
+  loss ``-(adv * logp).mean() - 0.01 * ent.mean()``;
+* ``loss_op`` -- ``vparallel_ce.linear_cross_entropy(h, W, t)`` (mean), the op the target is set
+  against: ``rl_fused`` should take <= 1.1x its time at the same peak memory;
+* ``gathered`` -- the full logits: ``(h @ W.T).float() / T``, ``log_softmax``, gather, entropy
+  ``-(p * log p).sum(-1)``, the same loss (what an RL trainer does without a fused op).
+
+    python launch/bench_rl.py --out $OUT/bench_rl.jsonl   # GPU: 8192x4096x128256, 8192x4096x16032
+    python launch/bench_rl.py --smoke                     # CPU, tiny shapes (tests/test_bench_rl.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import vparallel_ce  # noqa: E402
+
+GiB = 1024**3
+SHAPES = {"llama3_8b": (8192, 4096, 128256), "llama3_8b_tp8": (8192, 4096, 16032)}
+SMOKE_SHAPES = {"smoke": (256, 64, 1000), "smoke_odd": (192, 32, 333)}
+METHODS = ("rl_fused", "loss_op", "gathered")
+ENTROPY_COEF = 0.01
+TIME_TARGET = 1.1  # rl_fused / loss_op
+
+
+# ------------------------------------------------------------------------------------------ methods
+
+def _rl_fused(h, w, t, adv, temperature, chunks):
+    logp, ent = vparallel_ce.linear_token_logprobs(h, w, t, temperature=temperature, with_entropy=True,
+                                                   chunks=chunks)
+    return -(adv * logp).mean() - ENTROPY_COEF * ent.mean(), (logp, ent)
+
+
+def _loss_op(h, w, t, adv, temperature, chunks):
+    # at T != 1 the loss op sees W / T (one extra [V, H] tensor in the timing); the default is T = 1
+    loss = vparallel_ce.linear_cross_entropy(h, w if temperature == 1.0 else w / temperature, t, chunks=chunks)
+    return loss, None
+
+
+def gathered_logprobs(h, w, t, temperature, dtype=torch.float32):
+    """Full logits in ``dtype``: (log softmax(z / T)[t], entropy). Differentiable."""
+    logits = (h @ w.t()).to(dtype) / temperature
+    logsm = torch.log_softmax(logits, dim=-1)
+    logp = logsm.gather(-1, t.unsqueeze(-1)).squeeze(-1)
+    ent = -(logsm.exp() * logsm).sum(-1)
+    return logp, ent
+
+
+def _gathered(h, w, t, adv, temperature, chunks):
+    logp, ent = gathered_logprobs(h, w, t, temperature)
+    return -(adv * logp).mean() - ENTROPY_COEF * ent.mean(), (logp, ent)
+
+
+FNS = {"rl_fused": _rl_fused, "loss_op": _loss_op, "gathered": _gathered}
+
+
+# ---------------------------------------------------------------------------------------- reference
+
+def reference(h, w, t, adv, temperature, dtype=torch.float64, rows=1024):
+    """logp, entropy, dh, dW of the RL loss in ``dtype``, token chunk by token chunk (no [N, V]
+    tensor in ``dtype`` at once)."""
+    n = h.shape[0]
+    w64 = w.detach().to(dtype).requires_grad_()
+    logps, ents, dhs = [], [], []
+    dw = torch.zeros(w.shape, dtype=dtype, device=w.device)
+    for s in range(0, n, rows):
+        hc = h.detach()[s : s + rows].to(dtype).requires_grad_()
+        logp, ent = gathered_logprobs(hc, w64, t[s : s + rows], temperature, dtype)
+        loss = (-(adv[s : s + rows].to(dtype) * logp).sum() - ENTROPY_COEF * ent.sum()) / n
+        gh, gw = torch.autograd.grad(loss, (hc, w64))
+        logps.append(logp.detach())
+        ents.append(ent.detach())
+        dhs.append(gh)
+        dw += gw
+    return torch.cat(logps), torch.cat(ents), torch.cat(dhs), dw
+
+
+def max_rel(x, ref) -> float:
+    scale = ref.abs().max().item()
+    return (x.to(ref.dtype) - ref).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_once(fn, h, w, t, adv, temperature, chunks):
+    h.grad = None
+    w.grad = None
+    loss, outs = fn(h, w, t, adv, temperature, chunks)
+    loss.backward()
+    return loss, outs
+
+
+def measure(fn, h, w, t, adv, temperature, chunks, repeats, warmup, device):
+    for _ in range(warmup):
+        run_once(fn, h, w, t, adv, temperature, chunks)
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            run_once(fn, h, w, t, adv, temperature, chunks)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            s = time.perf_counter()
+            run_once(fn, h, w, t, adv, temperature, chunks)
+            times.append((time.perf_counter() - s) * 1e3)
+    # memory + outputs: one more call from a clean state
+    h.grad = None
+    w.grad = None
+    peak = float("nan")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    _, outs = run_once(fn, h, w, t, adv, temperature, chunks)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / GiB
+    return statistics.median(times), peak, outs
+
+
+# -------------------------------------------------------------------------------------------- main
+
+def bench_shape(tag, shape, args, device, dtype, emit):
+    n, hdim, v = shape
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h = torch.randn(n, hdim, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    w = (torch.randn(v, hdim, generator=g) * (2.0 / math.sqrt(hdim))).to(device=device, dtype=dtype)
+    w.requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g).to(device)
+    adv = torch.randn(n, generator=g).to(device)
+    ref = None
+    if not args.no_ref:
+        _sync(device)
+        s = time.perf_counter()
+        ref = reference(h, w, t, adv, args.temperature, getattr(torch, args.ref_dtype))
+        _sync(device)
+        print(f"# {tag} N={n} H={hdim} V={v}: {args.ref_dtype} reference in {time.perf_counter() - s:.1f}s",
+              flush=True)
+    records = []
+    for name in args.methods:
+        rec = dict(shape=tag, N=n, H=hdim, V=v, method=name, dtype=str(dtype).replace("torch.", ""),
+                   temperature=args.temperature, chunks=args.chunks, device=device.type)
+        try:
+            ms, peak, outs = measure(FNS[name], h, w, t, adv, args.temperature, args.chunks, args.repeats,
+                                     args.warmup, device)
+            rec.update(ms=ms, peak_gib=peak)
+            if ref is not None and outs is not None:
+                rec.update(err_logp=max_rel(outs[0].detach(), ref[0]), err_entropy=max_rel(outs[1].detach(), ref[1]),
+                           err_dh=max_rel(h.grad, ref[2]), err_dw=max_rel(w.grad, ref[3]))
+        except Exception as e:  # OOM, missing op, ...: record and go on
+            rec.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+            if args.verbose:
+                traceback.print_exc()
+        h.grad = None
+        w.grad = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        records.append(rec)
+    base = next((r for r in records if r["method"] == "loss_op" and "ms" in r), None)
+    for r in records:
+        if base is not None and "ms" in r:
+            r["x_loss_op_time"] = r["ms"] / base["ms"]
+            if not math.isnan(r["peak_gib"]):
+                r["peak_gib_minus_loss_op"] = r["peak_gib"] - base["peak_gib"]
+        if r["method"] == "rl_fused" and "x_loss_op_time" in r:
+            r["meets_time_target"] = r["x_loss_op_time"] <= TIME_TARGET
+        emit(r)
+    return records
+
+
+def fmt(x, spec):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def print_table(records):
+    print(f"\n## bench_rl: fwd+bwd median ms; peak GiB over resident inputs (incl. dh + dW); "
+          f"errors vs the float64 gathered computation; target rl_fused <= {TIME_TARGET}x loss_op time, same memory")
+    print("| shape | method | ms | x loss_op | peak GiB | +GiB vs loss_op | err logp | err entropy | err dh | err dW |")
+    print("|" + "---|" * 10)
+    for r in records:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['method']} | {r['error']} | | | | | | | |")
+            continue
+        print(f"| {r['shape']} | {r['method']} | {fmt(r['ms'], '.2f')} | {fmt(r.get('x_loss_op_time'), '.3f')} | "
+              f"{fmt(r['peak_gib'], '.3f')} | {fmt(r.get('peak_gib_minus_loss_op'), '+.3f')} | "
+              f"{fmt(r.get('err_logp'), '.1e')} | {fmt(r.get('err_entropy'), '.1e')} | "
+              f"{fmt(r.get('err_dh'), '.1e')} | {fmt(r.get('err_dw'), '.1e')} |")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI), 2 repeats")
+    p.add_argument("--shapes", default=None, help="comma list of shape names or NxHxV")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--chunks", default="auto", help="chunks option of both fused ops (int or auto)")
+    p.add_argument("--repeats", type=int, default=None, help="timed runs (default 10; 2 with --smoke)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up runs (default 2; 1 with --smoke)")
+    p.add_argument("--ref-dtype", default="float64")
+    p.add_argument("--no-ref", action="store_true", help="skip the reference (no error columns)")
+    p.add_argument("--out", default=None, help="JSON-lines output (default $OUT/bench_rl.jsonl if $OUT is set)")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    dtype = getattr(torch, args.dtype)
+    args.chunks = args.chunks if args.chunks == "auto" else int(args.chunks)
+    args.methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in args.methods if m not in FNS]
+    if unknown:
+        p.error(f"unknown methods {unknown}; known: {list(FNS)}")
+    args.repeats = args.repeats if args.repeats is not None else (2 if args.smoke else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
+    table = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.shapes:
+        shapes = {}
+        for s in args.shapes.split(","):
+            shapes[s] = {**SHAPES, **SMOKE_SHAPES}.get(s) or tuple(int(x) for x in s.lower().split("x"))
+    else:
+        shapes = table
+    if not hasattr(vparallel_ce, "linear_token_logprobs"):
+        print("vparallel_ce has no linear_token_logprobs (issue 13 not implemented yet)", file=sys.stderr)
+        return 2
+
+    out_path = args.out or (os.path.join(os.environ["OUT"], "bench_rl.jsonl") if os.environ.get("OUT") else None)
+    fh = open(out_path, "a") if out_path else None
+    env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+    print(f"# bench_rl: {env}, dtype {args.dtype}, T={args.temperature}, chunks={args.chunks}, "
+          f"repeats {args.repeats}, warmup {args.warmup}", flush=True)
+
+    def emit(rec):
+        rec = {**rec, **env}
+        print(json.dumps(rec), flush=True)
+        if fh is not None:
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+
+    records = []
+    try:
+        for tag, shape in shapes.items():
+            records += bench_shape(tag, shape, args, device, dtype, emit)
+    finally:
+        if fh is not None:
+            fh.close()
+    print_table(records)
+    return 1 if any("error" in r for r in records if r["method"] != "gathered") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
