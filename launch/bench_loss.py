@@ -169,8 +169,8 @@ def _kernels(h, w, t):
     spec = stats.LossSpec(w.shape[0])
     lt, owned, valid = stats.local_targets(t, 0, w.shape[0], -100)
     st = ops.local_stats(x, lt, owned, spec)
-    lse = st.max + torch.log(st.sumexp)
-    return ops.grad_logits(x, lt, owned, lse, valid.float() / t.numel(), spec)
+    coefs = stats.loss_grad_coefs(st.max, torch.log(st.sumexp), valid.float() / t.numel(), spec)
+    return ops.grad_logits(x, lt, owned, st.max, coefs, spec)
 
 
 def run_once(fn, h, w, t):
