@@ -2,7 +2,8 @@
 
 Each run is ``torchrun ... tests/torchtitan_cpu.py`` -- torchtitan's ``main(Trainer)`` with its device
 lookup pointed at the CPU -- training torchtitan's llama3 debug model for a few steps on a tokenizer
-and a text dataset written into the test's tmp dir (nothing is downloaded). The tests parse
+and a text dataset that launch/torchtitan_assets.py writes into the test's tmp dir (nothing is
+downloaded). The tests parse
 torchtitan's log lines (``step: N  loss: X  grad_norm: G ...``) and compare, layout by layout:
 
 * world 1, FSDP dp2 and TP tp2: ``llama3_vparallel`` and ``llama3_vparallel_fused`` give torchtitan's
@@ -16,7 +17,6 @@ Every run has a bounded wall time and is killed (with its workers) when it overr
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -32,6 +32,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "tests" / "torchtitan_cpu.py"
+ASSETS = ROOT / "launch" / "torchtitan_assets.py"
 RUN_TIMEOUT = 240  # seconds per torchrun
 STEPS = 3
 LOCAL_BATCH, SEQ_LEN = 2, 64
@@ -147,32 +148,12 @@ def _env() -> dict:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    """A word-level tokenizer (ids < 2048, the debug model's vocab) and a jsonl text dataset of a
-    seeded Markov chain over its words, in torchtitan's hf_assets / dataset_path layout."""
-    import random
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
+    """launch/torchtitan_assets.py: a word-level tokenizer (ids < 2048, the debug model's vocab) and
+    a jsonl text dataset, in torchtitan's hf_assets / dataset_path layout."""
     root = tmp_path_factory.mktemp("titan_assets")
-    (root / "tokenizer").mkdir()
-    (root / "data").mkdir()
-    words = [f"w{i}" for i in range(2048 - 3)]
-    vocab = {"<unk>": 0, "<|begin_of_text|>": 1, "<|end_of_text|>": 2, **{w: i + 3 for i, w in enumerate(words)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(root / "tokenizer" / "tokenizer.json"))
-    (root / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>", "add_bos_token": True,
-         "add_eos_token": True}))
-    rng = random.Random(0)
-    successors = [[rng.randrange(len(words)) for _ in range(4)] for _ in words]
-    with open(root / "data" / "train.jsonl", "w") as f:
-        for _ in range(100):
-            w, text = rng.randrange(len(words)), []
-            for _ in range(rng.randrange(50, 300)):
-                text.append(words[w])
-                w = rng.choice(successors[w])
-            f.write(json.dumps({"text": " ".join(text)}) + "\n")
+    proc = subprocess.run([sys.executable, str(ASSETS), str(root), "--vocab", "2048", "--docs", "100"],
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return root
 
 
