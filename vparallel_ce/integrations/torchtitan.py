@@ -30,7 +30,7 @@ Options, torchtitan style (with ``--job.custom_config_module vparallel_ce.integr
 which adds a ``[vparallel]`` section to the job config; without it the defaults apply)::
 
     --vparallel.chunks auto|K  --vparallel.schedule auto|token|vocab  --vparallel.recompute auto|true|false
-    --vparallel.budget_mib M   --vparallel.label_smoothing S  --vparallel.z_loss Z  --vparallel.check true|false
+    --vparallel.budget_mib M   --vparallel.label_smoothing S  --vparallel.z_loss Z  --vparallel.no-check
 
 or in the TOML file: ``[job] custom_config_module = "vparallel_ce.integrations.torchtitan"`` and a
 ``[vparallel]`` table. Other models: :func:`register_specs` builds the two specs from any train spec
