@@ -15,7 +15,7 @@ Importing this module registers two train specs built from torchtitan's ``llama3
   so the logits never exist. The model's ``output`` module becomes a :class:`FusedLMHead`: same
   parameter (``output.weight``, so checkpoints are interchangeable with ``llama3``), whose forward
   returns :class:`LMHeadInputs` -- the hidden states and a view of the weight taken INSIDE the
-  forward -- instead of the logits. Inside the forward the weight is what the loss needs: the
+  forward -- instead of the logits; the model returns them as the plain tuple ``(hidden, weight)``. Inside the forward the weight is what the loss needs: the
   ``Shard(0)`` DTensor under TP, the unsharded parameter under FSDP (outside the forward FSDP
   holds only its own shard; FSDP's ``reshard_after_forward`` is turned off for the lm_head's
   group so the view stays valid until the backward).
