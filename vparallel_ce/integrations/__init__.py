@@ -1,0 +1,11 @@
+"""Integrations of vparallel_ce's losses into training frameworks.
+
+Each framework lives in its own submodule and is imported only when asked for, so that importing
+``vparallel_ce`` (or this package) never imports a framework:
+
+* :mod:`vparallel_ce.integrations.torchtitan` -- train specs ``llama3_vparallel`` and
+  ``llama3_vparallel_fused`` for torchtitan's own trainer (``pip install "vparallel_ce[torchtitan]"``;
+  see docs/integrations.md).
+
+The Megatron-LM drop-in is :mod:`vparallel_ce.megatron`.
+"""
