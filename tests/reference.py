@@ -47,3 +47,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None)
 
 # tolerance on loss and gradients, relative to the largest reference value
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def local_grad(leaf) -> torch.Tensor:
+    """This rank's piece of a leaf DTensor's ``.grad``, laid out like the leaf. torch 2.11 hands a
+    leaf DTensor its gradient as ``Replicate`` even when it arrives ``Shard``-ed through
+    ``to_local()`` (2.13 keeps the leaf's placements; seen on the H200 image), so compare in the
+    leaf's own layout."""
+    g = leaf.grad
+    if tuple(g.placements) != tuple(leaf.placements):
+        g = g.redistribute(leaf.device_mesh, leaf.placements)
+    return g.to_local()

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import vparallel_ce
 from tests.dist import run_ranks
-from tests.reference import TOL, rel_err, shard
+from tests.reference import TOL, local_grad, rel_err, shard
 from tests.test_linear import OPTIONS, PLANS, make_case, reference
 
 AMP_DTYPES = [torch.bfloat16, torch.float16]
@@ -139,9 +139,9 @@ def dtensor_amp_rank(rank, world):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = vparallel_ce.linear_cross_entropy(h, w, target, chunks=2)
     (out * up.float()).backward()
-    assert w.grad.to_local().dtype == torch.float32
-    return max(rel_err(out, ref), rel_err(w.grad.to_local(), shard(dw_ref, world, rank, 0), dw_ref),
-               rel_err(h.grad.to_local(), dh_ref))
+    assert local_grad(w).dtype == torch.float32
+    return max(rel_err(out, ref), rel_err(local_grad(w), shard(dw_ref, world, rank, 0), dw_ref),
+               rel_err(local_grad(h), dh_ref))
 
 
 def test_autocast_with_dtensor_weight():

@@ -10,7 +10,7 @@ import torch
 
 import vparallel_ce
 from tests.dist import run_ranks
-from tests.reference import TOL, reference_loss, rel_err, shard
+from tests.reference import TOL, local_grad, reference_loss, rel_err, shard
 
 OPTIONS = [
     {},
@@ -162,7 +162,7 @@ def dtensor_rank(rank, world):
         out.backward()
         assert not isinstance(out, type(dt)), "documented: a plain tensor comes back"
         results[f"ours ls={label_smoothing}"] = (
-            rel_err(out, ref), rel_err(dt.grad.to_local(), shard(full.grad, world, rank))
+            rel_err(out, ref), rel_err(local_grad(dt), shard(full.grad, world, rank))
         )
     # PyTorch's own loss_parallel (no label smoothing support there): same numbers
     dt = distribute_tensor(logits.clone(), mesh, [Shard(-1)]).requires_grad_()
@@ -173,7 +173,7 @@ def dtensor_rank(rank, world):
     ours = vparallel_ce.cross_entropy(ours_dt, target)
     ours.backward()
     theirs_full = theirs.full_tensor() if hasattr(theirs, "full_tensor") else theirs
-    results["vs loss_parallel"] = (rel_err(ours, theirs_full), rel_err(ours_dt.grad.to_local(), dt.grad.to_local()))
+    results["vs loss_parallel"] = (rel_err(ours, theirs_full), rel_err(local_grad(ours_dt), local_grad(dt)))
     return results
 
 
@@ -270,7 +270,7 @@ def dtensor_bad_rank(rank, world):
     full = logits.clone().requires_grad_()
     reference_loss(full, target).backward()
     vparallel_ce.cross_entropy(good, target).backward()
-    errors = {"2-D mesh grad error": rel_err(good.grad.to_local(), shard(full.grad, world // 2, rank % (world // 2)))}
+    errors = {"2-D mesh grad error": rel_err(local_grad(good), shard(full.grad, world // 2, rank % (world // 2)))}
     cases = {
         "not sharded on the last dim": lambda: vparallel_ce.cross_entropy(
             distribute_tensor(logits, mesh, [Replicate(), Shard(0)]), target),

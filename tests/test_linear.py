@@ -11,7 +11,7 @@ import torch
 
 import vparallel_ce
 from tests.dist import run_ranks
-from tests.reference import TOL, reference_loss, rel_err, shard
+from tests.reference import TOL, local_grad, reference_loss, rel_err, shard
 
 H = 8
 OPTIONS = [{}, {"label_smoothing": 0.1, "z_loss": 1e-3}, {"softcap": 2.0, "ignore_index": 3}]
@@ -215,15 +215,15 @@ def dtensor_rank(rank, world):
     h = distribute_tensor(hidden.clone(), mesh, [Replicate()]).requires_grad_()
     out = vparallel_ce.linear_cross_entropy(h, w, target, chunks=2)
     (out * up).backward()
-    errs = [rel_err(out, ref), rel_err(w.grad.to_local(), shard(dw_ref, world, rank, 0)), rel_err(h.grad.to_local(), dh_ref)]
+    errs = [rel_err(out, ref), rel_err(local_grad(w), shard(dw_ref, world, rank, 0)), rel_err(local_grad(h), dh_ref)]
     # sequence parallel: hidden is a DTensor sharded on its token dim, target split the same way
     hs = distribute_tensor(hidden.clone(), mesh, [Shard(1)]).requires_grad_()
     w2 = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
     t_local = torch.chunk(target, world, dim=1)[rank]
     out = vparallel_ce.linear_cross_entropy(hs, w2, t_local, sequence_parallel=True, chunks=2)
     (out * up).backward()
-    errs += [rel_err(out, ref), rel_err(w2.grad.to_local(), shard(dw_ref, world, rank, 0), dw_ref),
-             rel_err(hs.grad.to_local(), torch.chunk(dh_ref, world, dim=1)[rank], dh_ref)]
+    errs += [rel_err(out, ref), rel_err(local_grad(w2), shard(dw_ref, world, rank, 0), dw_ref),
+             rel_err(local_grad(hs), torch.chunk(dh_ref, world, dim=1)[rank], dh_ref)]
     try:
         vparallel_ce.linear_cross_entropy(hidden, distribute_tensor(weight, mesh, [Shard(1)]), target)
         message = None

@@ -44,7 +44,7 @@ import torch
 
 import vparallel_ce
 from tests.dist import run_ranks
-from tests.reference import TOL, rel_err, shard
+from tests.reference import TOL, local_grad, rel_err, shard
 
 H = 8
 TEMPERATURES = (1.0, 0.7, 1.9)
@@ -588,7 +588,7 @@ def dtensor_rank(rank, world):
     report.err(case, "logprobs", rel_err(logp.detach(), ref_logp), 1e-12)
     report.err(case, "entropy", rel_err(ent.detach(), ref_ent), 1e-12)
     _objective(mode, logp, ent, u, v).backward()
-    report.err(case, "d logits", rel_err(dt.grad.to_local(), shard(ref_grad, world, rank), ref_grad), 1e-12)
+    report.err(case, "d logits", rel_err(local_grad(dt), shard(ref_grad, world, rank), ref_grad), 1e-12)
     # a plain shard with group=<1-D DeviceMesh>
     case = case._replace(label="plain shard, group=DeviceMesh")
     logits_case(report, rank, world, mesh, case, logits=logits, target=target)
@@ -607,9 +607,9 @@ def dtensor_rank(rank, world):
         report.err(case, "logprobs", rel_err(logp.detach(), ref_logp), 1e-12)
         report.err(case, "entropy", rel_err(ent.detach(), ref_ent), 1e-12)
         _objective(mode, logp, ent, u, v).backward()
-        dh = h.grad.to_local() if isinstance(h.grad, DTensor) else h.grad
+        dh = local_grad(h) if isinstance(h.grad, DTensor) else h.grad
         report.err(case, "d hidden", rel_err(dh, dh_ref), 1e-12)
-        report.err(case, "d weight", rel_err(w.grad.to_local(), shard(dw_ref, world, rank, 0), dw_ref), 1e-12)
+        report.err(case, "d weight", rel_err(local_grad(w), shard(dw_ref, world, rank, 0), dw_ref), 1e-12)
     case = Case(801, 23, T, torch.float64, mode, 2, -100, label="sequence parallel, hidden DTensor Shard(1)")
     hs = distribute_tensor(hidden.clone(), mesh, [Shard(1)]).requires_grad_()
     w = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
@@ -622,8 +622,8 @@ def dtensor_rank(rank, world):
         report.err(case, "logprobs", rel_err(logp.detach(), mine(ref_logp), ref_logp), 1e-12)
         report.err(case, "entropy", rel_err(ent.detach(), mine(ref_ent), ref_ent), 1e-12)
         _objective(mode, logp, ent, mine(u), mine(v)).backward()
-        report.err(case, "d hidden", rel_err(hs.grad.to_local(), mine(dh_ref), dh_ref), 1e-12)
-        report.err(case, "d weight", rel_err(w.grad.to_local(), shard(dw_ref, world, rank, 0), dw_ref), 1e-12)
+        report.err(case, "d hidden", rel_err(local_grad(hs), mine(dh_ref), dh_ref), 1e-12)
+        report.err(case, "d weight", rel_err(local_grad(w), shard(dw_ref, world, rank, 0), dw_ref), 1e-12)
     # DTensors with the wrong placement are named
     errors = {}
     for name, call in {
