@@ -304,3 +304,25 @@ def test_the_vocab_schedule_only_when_asked_for_or_chosen_by_the_policy():
     # recompute=True is the one switch for "gradients in backward": 1 + 3 matmuls per token chunk
     assert count_matmuls(lambda: vparallel_ce.linear_cross_entropy(
         h, w, target, chunks=2, recompute=True).backward()) == 8
+
+
+def test_per_token_losses_keep_the_one_chunk_of_logits_and_a_second_backward_recomputes():
+    # reduction="none" has its upstream gradient only in backward: with one chunk the forward keeps
+    # the logits (3 matmuls, not 4); the gradient overwrites them, so a second backward of the same
+    # graph (zero-bubble pipeline schedules run input and weight passes apart) must recompute
+    hidden, weight, bias, target = make_case(16, tokens=(4, 16), vocab=64)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    up = torch.randn(target.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+    def twice():
+        out = vparallel_ce.linear_cross_entropy(h, w, target, chunks=1, reduction="none")
+        first = torch.autograd.grad(out, (h, w), up, retain_graph=True)
+        second = torch.autograd.grad(out, (h, w), up)
+        return first, second
+
+    assert count_matmuls(lambda: twice()) == 3 + 3  # 3, then the recompute + dh + dW
+    first, second = twice()
+    h2, w2 = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    expect = torch.autograd.grad(reference_loss(h2 @ w2.T, target, reduction="none"), (h2, w2), up)
+    for got in (first, second):
+        assert rel_err(got[0], expect[0]) < 1e-12 and rel_err(got[1], expect[1]) < 1e-12

@@ -104,15 +104,18 @@ def test_auto_equals_the_explicit_count():
 
 # Precedence of the linear op's knobs (docs/api.md): schedule > chunks > memory model; recompute alone
 # decides where the gradients are made.
-PRECEDENCE = [  # (chunks, schedule, recompute, reduction) -> (schedule, chunks, grad_in_forward) at 8B, tp=1
-    (("auto", "auto", None, "mean"), ("vocab", 16, False)),  # 2 GiB accumulator > 1 GiB budget
-    ((1, "auto", None, "mean"), ("token", 1, True)),  # "don't chunk": the 3-matmul fast point
-    ((8, "auto", None, "mean"), ("token", 8, True)),  # an int means token chunks
-    ((8, "auto", True, "mean"), ("token", 8, False)),
-    ((8, "vocab", None, "mean"), ("vocab", 8, False)),
-    (("auto", "token", None, "mean"), ("token", 4, True)),  # the budget sizes token chunks
-    (("auto", "auto", False, "mean"), ("vocab", 16, True)),
-    ((1, "auto", None, "none"), ("token", 1, False)),  # per-token losses: gradients in backward
+PRECEDENCE = [  # (chunks, schedule, recompute, reduction) -> (schedule, chunks, grad_in_forward, keep_logits)
+    (("auto", "auto", None, "mean"), ("vocab", 16, False, False)),  # 2 GiB accumulator > 1 GiB budget
+    ((1, "auto", None, "mean"), ("token", 1, True, False)),  # "don't chunk": the 3-matmul fast point
+    ((8, "auto", None, "mean"), ("token", 8, True, False)),  # an int means token chunks
+    ((8, "auto", True, "mean"), ("token", 8, False, False)),
+    ((8, "vocab", None, "mean"), ("vocab", 8, False, False)),
+    (("auto", "token", None, "mean"), ("token", 4, True, False)),  # the budget sizes token chunks
+    (("auto", "auto", False, "mean"), ("vocab", 16, True, False)),
+    # per-token losses: gradients in backward, from the one chunk's kept logits (3 matmuls) ...
+    ((1, "auto", None, "none"), ("token", 1, False, True)),
+    ((1, "auto", True, "none"), ("token", 1, False, False)),  # ... unless recompute is asked for
+    ((2, "auto", None, "none"), ("token", 2, False, False)),  # ... or there are several chunks
 ]
 
 
@@ -121,13 +124,13 @@ def test_precedence_of_the_knobs(knobs, expected):
     chunks, schedule, recompute, reduction = knobs
     plan = choose_plan(8192, LLAMA3_V, 1, hidden_size=4096, chunks=chunks, schedule=schedule, recompute=recompute,
                        reduction=reduction)
-    assert (plan.schedule, plan.chunks, plan.grad_in_forward) == expected
+    assert (plan.schedule, plan.chunks, plan.grad_in_forward, plan.keep_logits) == expected
     text = explain(8192, LLAMA3_V, 1, hidden_size=4096, chunks=chunks, schedule=schedule, recompute=recompute,
                    reduction=reduction)
     unit = "token chunk" if expected[0] == "token" else "vocab block"
     assert f"{expected[0]} schedule, {expected[1]} {unit}" in text, text
     assert ("made in forward" if expected[2] else "recomputed in backward") in text, text
-    assert ("3 matmuls" if expected[2] and expected[0] == "token" else "4 matmuls") in text, text
+    assert ("3 matmuls" if (expected[2] or expected[3]) and expected[0] == "token" else "4 matmuls") in text, text
 
 
 def test_explain_reports_the_cross_entropy_plan_too():

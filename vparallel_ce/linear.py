@@ -46,7 +46,7 @@ from .stats import (
 )
 from .validate import check_owned
 
-__all__ = ["linear_cross_entropy", "Schedule", "Rows", "Grads", "matmul_inputs"]
+__all__ = ["linear_cross_entropy", "Schedule", "Rows", "Grads", "matmul_inputs", "take_kept"]
 
 
 def linear_cross_entropy(
@@ -246,11 +246,17 @@ class Schedule:
     keep_logits: bool
 
     @classmethod
-    def of(cls, call: Call, *, grads_now: bool) -> "Schedule":
-        """The call's schedule, for a pass that makes gradients right after the statistics or not."""
+    def of(cls, call: Call, *, keep_logits: bool) -> "Schedule":
+        """The call's schedule; ``keep_logits``: the statistics step keeps the logits for a gradient
+        step (right after it, or in backward: ``Plan.keep_logits``). Vocab blocks never keep them."""
         if call.plan.schedule == "token":
-            return cls(call.plan.chunks, tuple(aligned_parts(call.layout.local_size)), keep_logits=grads_now)
+            return cls(call.plan.chunks, tuple(aligned_parts(call.layout.local_size)), keep_logits=keep_logits)
         return cls(1, tuple(vocab_blocks(call.layout.local_size, call.plan.chunks)), keep_logits=False)
+
+    @staticmethod
+    def keeps_for_backward(call: Call, need) -> bool:
+        """Whether the forward keeps the logits for the backward (``Plan.keep_logits``)."""
+        return call.plan.keep_logits and call.plan.schedule == "token" and any(need)
 
     def rows(self, call: Call) -> Rows:
         return Rows(call, self.row_chunks)
@@ -312,19 +318,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, w, b, t, call: Call):
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         grads_now = call.plan.grad_in_forward and any(need)
+        keep = not grads_now and Schedule.keeps_for_backward(call, need)
         with torch.autocast(h.device.type, enabled=False):
             spec = call.spec
             hm, wm, bm = matmul_inputs(call, h, w, b)
             ops = kernels.ops_for(wm)
-            sched = Schedule.of(call, grads_now=grads_now)
+            sched = Schedule.of(call, keep_logits=grads_now or keep)
             rows = sched.rows(call)
             n_valid = _valid_count(t, call)
             cdt = compute_dtype(wm.dtype)
             grads = Grads(h, w, b, need, acc_dtype=cdt, rows=rows, schedule=sched) if grads_now else None
             gscale_of = _gscale_fn(torch.ones((), dtype=cdt, device=w.device), n_valid, call)
-            shift, per_token, checks = [], [], []
+            shift, per_token, checks, ctx.kept = [], [], [], []
             for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
                 st, kept = sched.statistics(call, ops, h_c, wm, bm, local_t, owned)
+                if keep:
+                    ctx.kept.append(kept)
                 shift.append(torch.stack([st.max, st.log_s]))
                 per_token.append(_keep(rows, c, token_loss(st, valid, spec), call.reduction))
                 checks.append((st.owned, valid, t_c))
@@ -350,16 +359,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             hm, wm, bm = matmul_inputs(call, h, w, b)
             ops = kernels.ops_for(wm)
-            sched = Schedule.of(call, grads_now=False)
+            sched = Schedule.of(call, keep_logits=False)
             rows = sched.rows(call)
             grads = Grads(h, w, b, ctx.need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)
             gscale_of = _gscale_fn(grad_out, n_valid, call)
+            kept_chunks = take_kept(ctx)
             at = 0
             for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
                 (m_c, log_s_c), at = shift[:, at : at + t_c.shape[0]], at + t_c.shape[0]
                 coefs = loss_grad_coefs(m_c, log_s_c, gscale_of(rows, c, valid), call.spec)
-                sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, m_c, coefs, [], grads)
+                sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, m_c, coefs,
+                                kept_chunks[c] if kept_chunks else [], grads)
             return grads.finish(rows) + (None, None)
+
+
+def take_kept(ctx) -> list:
+    """The logits the forward kept for this backward, handed over once: the gradient step writes
+    over them, so a second backward of the same graph (zero-bubble pipeline schedules run the
+    input and the weight pass separately) finds none and recomputes."""
+    kept, ctx.kept = getattr(ctx, "kept", None) or [], []
+    return kept
 
 
 def _keep(rows: Rows, c: int, per_token: torch.Tensor, reduction: str) -> torch.Tensor:

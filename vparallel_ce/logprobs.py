@@ -25,7 +25,7 @@ import torch
 from . import kernels
 from .call import Call, linear_call, logits_call
 from .cross_entropy import logits_gradient, logits_statistics
-from .linear import Grads, Schedule, matmul_inputs
+from .linear import Grads, Schedule, matmul_inputs, take_kept
 from .stats import compute_dtype, logprob_grad_coefs
 from .validate import check_owned
 
@@ -155,11 +155,15 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             hm, wm, bm = matmul_inputs(call, h, w, b)
             ops = kernels.ops_for(wm)
-            sched = Schedule.of(call, grads_now=False)
+            need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
+            keep = Schedule.keeps_for_backward(call, need)
+            sched = Schedule.of(call, keep_logits=keep)
             rows = sched.rows(call)
-            shift, entropy, mine, checks = [], [], [], []
+            shift, entropy, mine, checks, ctx.kept = [], [], [], [], []
             for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
-                st, _ = sched.statistics(call, ops, h_c, wm, bm, local_t, owned)
+                st, kept = sched.statistics(call, ops, h_c, wm, bm, local_t, owned)
+                if keep:
+                    ctx.kept.append(kept)
                 logp_c, entropy_c = _outputs(st, valid)
                 shift.append(torch.stack([st.max, st.log_s]))
                 entropy.append(entropy_c)
@@ -191,9 +195,10 @@ class _LinearTokenLogprobs(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             hm, wm, bm = matmul_inputs(call, h, w, b)
             ops = kernels.ops_for(wm)
-            sched = Schedule.of(call, grads_now=False)
+            sched = Schedule.of(call, keep_logits=False)
             rows = sched.rows(call)
             grads = Grads(h, w, b, need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)
+            kept_chunks = take_kept(ctx)
             at = 0
             for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
                 (m_c, log_s_c), ent_c = shift[:, at : at + t_c.shape[0]], entropy[at : at + t_c.shape[0]]
@@ -201,5 +206,6 @@ class _LinearTokenLogprobs(torch.autograd.Function):
                 g_lp = None if g_logp is None else rows.gather(c, g_logp.reshape(-1))
                 g_h = None if g_entropy is None else rows.gather(c, g_entropy.reshape(-1))
                 coefs = _coefs(g_lp, g_h, valid, ent_c, log_s_c, call)
-                sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, m_c, coefs, [], grads)
+                sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, m_c, coefs,
+                                kept_chunks[c] if kept_chunks else [], grads)
             return grads.finish(rows) + (None, None)

@@ -48,12 +48,15 @@ GiB = 1024**3
 class Plan:
     """What an op will do: ``schedule`` is ``"token"`` (chunks of tokens) or ``"vocab"`` (blocks of
     the local vocab, linear op only); ``chunks`` counts the token chunks or vocab blocks the call
-    will run; ``grad_in_forward`` whether mean/sum gradients are made in forward. ``why`` gives the
-    reason for each choice (not part of equality)."""
+    will run; ``grad_in_forward`` whether mean/sum gradients are made in forward; ``keep_logits``
+    whether, without them, the one token chunk's logits are kept from forward for the backward (3
+    matmuls instead of recomputing them). ``why`` gives the reason for each choice (not part of
+    equality)."""
 
     schedule: str
     chunks: int
     grad_in_forward: bool
+    keep_logits: bool = False
     why: tuple[str, ...] = field(default=(), compare=False)
 
 
@@ -106,7 +109,7 @@ class ChunkPolicy:
         if hidden_size is None:
             k = self.chunks(num_tokens, vocab_size, tp_degree) if chunks == "auto" else int(chunks)
             why.append(_budget_reason(self, num_tokens, v_loc, k) if chunks == "auto" else f"chunks={k} as given")
-            return Plan("token", _token_chunks(k, num_tokens), False, tuple(why))
+            return Plan("token", _token_chunks(k, num_tokens), False, why=tuple(why))
         k0 = min(self.chunks(num_tokens, vocab_size, tp_degree), max(v_loc, 1))
         sized = False  # whether a reason for the count is given yet
         if schedule != "auto":
@@ -161,7 +164,14 @@ class ChunkPolicy:
         else:
             gif = False
             why.append("vocab blocks recompute their logits in backward (memory at the floor)")
-        return Plan(schedule, k, gif, tuple(why))
+        # Per-token outputs (reduction="none", the log-prob ops) get their upstream gradient only
+        # in backward. With one token chunk and one microbatch in flight, keeping that chunk's
+        # logits (bf16, within the budget) from forward saves the recompute matmul.
+        keep = (not gif and recompute is None and schedule == "token" and k == 1 and self.microbatches_in_flight <= 1)
+        if keep:
+            why.append("per-token upstream gradients: the one chunk's logits are kept from forward for the backward "
+                       "(3 matmuls)")
+        return Plan(schedule, k, gif, keep, tuple(why))
 
 
 def _token_chunks(k: int, num_tokens: int) -> int:
@@ -237,4 +247,4 @@ def explain(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size
 
 
 def _matmuls(p: Plan) -> int:
-    return 3 if p.schedule == "token" and p.grad_in_forward else 4
+    return 3 if p.schedule == "token" and (p.grad_in_forward or p.keep_logits) else 4
