@@ -126,3 +126,20 @@ def _close_all():
     for pool in list(_POOLS.values()):
         pool.close(graceful=True)
     _POOLS.clear()
+
+
+def errors_of(calls: dict) -> dict:
+    """On a rank of a running group: call each zero-argument callable in ``calls`` and record the
+    error it raised (``"TypeError: message"``) or None; a barrier after each call keeps the group
+    in step, so a case that raised on one rank only shows up as a hang-free mismatch."""
+    import torch.distributed as dist
+
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except (ValueError, TypeError) as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+        dist.barrier()
+    return errors

@@ -43,7 +43,7 @@ import pytest
 import torch
 
 import vparallel_ce
-from tests.dist import run_ranks
+from tests.dist import errors_of, run_ranks
 from tests.reference import TOL, local_grad, rel_err, shard
 
 H = 8
@@ -788,15 +788,7 @@ EXPECTED_MESSAGES = {
 def bad_input_rank(rank, world):
     import torch.distributed as dist
 
-    errors = {}
-    for name, call in _bad_calls(rank, world, dist.group.WORLD).items():
-        try:
-            call()
-            errors[name] = None
-        except (ValueError, TypeError) as exc:
-            errors[name] = f"{type(exc).__name__}: {exc}"
-        dist.barrier()  # every case must leave the group in step
-    return errors
+    return errors_of(_bad_calls(rank, world, dist.group.WORLD))
 
 
 @pytest.mark.parametrize("world", [2, 3])
