@@ -185,39 +185,51 @@ def run_once(fn, h, w, t):
     return loss, None
 
 
-def measure(fn, h, w, t, repeats: int, warmup: int, device):
+def time_and_peak(step, params, *, repeats: int, warmup: int, device):
+    """Median ms of ``step()`` (one forward+backward) over ``repeats`` after ``warmup`` (CUDA
+    events; host clock on CPU), then one more call from a clean state for the peak memory over
+    what was allocated before it (GiB, CUDA only). Returns ``(ms, peak, that call's result)``.
+    ``params``: the tensors whose ``.grad`` is cleared before each call."""
+    def clean():
+        for p in params:
+            p.grad = None
+
     for _ in range(warmup):
-        run_once(fn, h, w, t)
+        clean()
+        step()
     _sync(device)
     times = []
     for _ in range(repeats):
-        h.grad = None
-        w.grad = None
+        clean()
         if device.type == "cuda":
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            run_once(fn, h, w, t)
+            step()
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b))
         else:
             s = time.perf_counter()
-            run_once(fn, h, w, t)
+            step()
             times.append((time.perf_counter() - s) * 1e3)
-    # memory + correctness: one more call from a clean state
-    h.grad = None
-    w.grad = None
+    clean()
     peak = float("nan")
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    loss, extra = run_once(fn, h, w, t)
+    result = step()
     if device.type == "cuda":
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / GiB
-    return statistics.median(times), peak, loss, extra
+    return statistics.median(times), peak, result
+
+
+def measure(fn, h, w, t, repeats: int, warmup: int, device):
+    ms, peak, (loss, extra) = time_and_peak(lambda: run_once(fn, h, w, t), (h, w), repeats=repeats, warmup=warmup,
+                                            device=device)
+    return ms, peak, loss, extra
 
 
 # -------------------------------------------------------------------------------------------- main

@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -40,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vparallel_ce  # noqa: E402
+from bench_loss import time_and_peak  # noqa: E402  (the one timing harness of the benchmarks)
 
 GiB = 1024**3
 SHAPES = {"llama3_8b": (8192, 4096, 128256), "llama3_8b_tp8": (8192, 4096, 16032)}
@@ -122,36 +122,9 @@ def run_once(fn, h, w, t, adv, temperature, chunks):
 
 
 def measure(fn, h, w, t, adv, temperature, chunks, repeats, warmup, device):
-    for _ in range(warmup):
-        run_once(fn, h, w, t, adv, temperature, chunks)
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run_once(fn, h, w, t, adv, temperature, chunks)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            s = time.perf_counter()
-            run_once(fn, h, w, t, adv, temperature, chunks)
-            times.append((time.perf_counter() - s) * 1e3)
-    # memory + outputs: one more call from a clean state
-    h.grad = None
-    w.grad = None
-    peak = float("nan")
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    _, outs = run_once(fn, h, w, t, adv, temperature, chunks)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / GiB
-    return statistics.median(times), peak, outs
+    ms, peak, (_, outs) = time_and_peak(lambda: run_once(fn, h, w, t, adv, temperature, chunks), (h, w),
+                                        repeats=repeats, warmup=warmup, device=device)
+    return ms, peak, outs
 
 
 # -------------------------------------------------------------------------------------------- main
