@@ -338,3 +338,11 @@ def test_no_full_fp32_copy_of_the_logits_when_chunked():
         vparallel_ce.cross_entropy(x, target, chunks=4, label_smoothing=0.1).backward()
     assert n * v // 4 <= Watch.largest_fp32 < n * v
     assert x.grad.dtype == torch.bfloat16
+
+
+def test_all_ignored_mean_gives_zero_gradients_like_pytorch():
+    # F.cross_entropy: loss 0/0 = nan, gradient exactly 0 -- a fully padded microbatch must not
+    # poison the weights with nan gradients
+    x = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    vparallel_ce.cross_entropy(x, torch.full((4,), -100)).backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))

@@ -925,3 +925,16 @@ def test_callers_logits_are_not_modified():
     logp, ent = vparallel_ce.token_logprobs(x, target, chunks=2, temperature=0.7, with_entropy=True)
     (logp.sum() + ent.sum()).backward()
     assert torch.equal(x.detach(), before)
+
+
+def test_masked_vocab_entries_at_minus_inf_give_the_exact_entropy_and_finite_gradients():
+    # padded vocab rows masked with -inf: their p is 0 and their entropy term 0 (never 0 * -inf)
+    x = torch.randn(3, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    x[:, 4:] = float("-inf")
+    x.requires_grad_()
+    target = torch.tensor([0, 1, 3])
+    logp, ent = vparallel_ce.token_logprobs(x, target, with_entropy=True, chunks=2)
+    ref = torch.distributions.Categorical(logits=x.detach())
+    assert torch.allclose(ent, ref.entropy(), atol=1e-12) and torch.allclose(logp, ref.log_prob(target), atol=1e-12)
+    (logp.sum() + ent.sum()).backward()
+    assert torch.isfinite(x.grad).all() and (x.grad[:, 4:] == 0).all()

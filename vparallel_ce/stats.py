@@ -148,7 +148,8 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
     picked = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
     tgt = torch.where(owned, picked, torch.zeros_like(picked))
     total = z.sum(dim=-1) if spec.label_smoothing > 0 else torch.zeros_like(m)
-    zexp = (e * u).sum(dim=-1) if spec.entropy else None
+    # a -inf logit (a masked vocab entry) has e = 0: its term is 0, not 0 * -inf
+    zexp = torch.where(e > 0, e * u, torch.zeros_like(u)).sum(dim=-1) if spec.entropy else None
     return ChunkStats(m, sumexp, tgt, total, owned.to(z.dtype), zexp)
 
 
@@ -232,7 +233,8 @@ def grad_logits(
     factor = coefs.a.unsqueeze(-1)
     if coefs.b is not None:
         factor = factor + coefs.b.unsqueeze(-1) * u
-    d = torch.exp(u) * factor
+    e = torch.exp(u)
+    d = torch.where(e > 0, e * factor, torch.zeros_like(e))  # -inf logits: p = 0, not 0 * -inf
     if coefs.d is not None:
         d = d - coefs.d.unsqueeze(-1)
     if z.shape[-1] > 0:
@@ -276,5 +278,5 @@ def token_grad_scale(grad_out: torch.Tensor, valid: torch.Tensor, n_valid, reduc
         return grad_out.reshape(-1).to(dtype) * v
     g = grad_out.to(dtype)
     if reduction == "mean":
-        g = g / n_valid
+        g = g / n_valid.clamp(min=1)  # all ignored: loss 0/0 as F.cross_entropy, gradient 0 (not nan)
     return v * g

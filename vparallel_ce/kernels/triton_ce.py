@@ -78,7 +78,7 @@ def _stats_kernel(
         if ENTROPY:
             # shift the old sum to the new max first (guard: nothing seen yet, -inf * 0)
             e = tl.where(s > 0, alpha * (e + (m - m_new) * s), 0.0)
-            e += tl.sum(tl.where(mask, p * (z - m_new), 0.0), axis=0)
+            e += tl.sum(tl.where(p > 0, p * (z - m_new), 0.0), axis=0)  # padding / -inf logits: 0
         s = s * alpha + tl.sum(p, axis=0)
         m = m_new
     t = tl.load(T + row)
@@ -122,7 +122,7 @@ def _grad_kernel(
         z = _z(tl.load(xb + idx, mask=mask, other=0.0).to(tl.float32), cap, inv_cap, inv_t, HAS_CAP, HAS_T)
         u = z - shift
         if HAS_B:
-            d = tl.exp(u) * (a + b * u)
+            d = tl.where(u > float("-inf"), tl.exp(u) * (a + b * u), 0.0)
         else:
             d = tl.exp(u) * a
         if HAS_D:
