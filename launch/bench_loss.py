@@ -13,9 +13,12 @@ mean reduction) and each method it measures
 Methods: ``fp32_plain`` (``F.cross_entropy((h @ W.T).float(), t)``), ``bf16_plain``, ``compile``
 (fp32_plain under ``torch.compile``), ``torch_lce`` (``F.linear_cross_entropy``, where torch has
 it), ``liger`` and ``cce`` (when importable), ``gemm3`` (the three bf16 matmuls alone: the floor of
-an exact fused loss), ``kernels`` (our two Triton passes alone over precomputed full logits), and ours: ``ours:<schedule>:<chunks>`` for the chunk sweep
-``--chunks`` x {token (grads in forward), vocab (recompute)}, plus ``ours:token:auto``,
-``ours:vocab:auto`` and ``ours:auto:auto`` (the policy's own pick).
+an exact fused loss), ``kernels`` (our two Triton passes alone over precomputed full logits), and
+ours: ``ours:<schedule>:<chunks>`` for the chunk sweep ``--chunks`` x {token, vocab} (the policy
+decides where the gradients are made: ``plan`` says ``kept`` / ``fwd`` / ``re``), plus
+``ours:token:auto``, ``ours:vocab:auto`` and ``ours:auto:auto`` (the policy's own pick). A suffix
+``:unfused`` runs cuBLAS + the row passes where the fused GEMM kernels would run, ``:nocheck``
+passes ``check=False`` (no host sync for the target check).
 
     python launch/bench_loss.py --small                # CPU smoke test
     python launch/bench_loss.py --json $OUT/bench.jsonl # the H200 run (docs/benchmarks.md)
@@ -92,22 +95,38 @@ def make_method(name: str, device: torch.device):
     if name in ("gemm3", "kernels"):
         return name
     if name.startswith("ours:"):
-        _, schedule, chunks = name.split(":")
-        chunks = chunks if chunks == "auto" else int(chunks)
-        recompute = False if schedule == "token" else None
-        return lambda h, w, t: vparallel_ce.linear_cross_entropy(
-            h, w, t, chunks=chunks, schedule=schedule, recompute=recompute)
+        schedule, chunks, variant = _ours(name)
+        check = variant != "nocheck"
+
+        def ours(h, w, t):
+            fused = os.environ.get("VPARALLEL_CE_FUSED")
+            if variant == "unfused":  # cuBLAS + the row passes where the fused GEMM kernels would run
+                os.environ["VPARALLEL_CE_FUSED"] = "0"
+            try:
+                return vparallel_ce.linear_cross_entropy(h, w, t, chunks=chunks, schedule=schedule, check=check)
+            finally:
+                if variant == "unfused":
+                    os.environ.pop("VPARALLEL_CE_FUSED", None) if fused is None else os.environ.update(
+                        VPARALLEL_CE_FUSED=fused)
+
+        return ours
     raise ValueError(f"unknown method {name!r}")
 
 
-def ours_plan(name: str, n: int, hdim: int, v: int) -> str:
+def _ours(name: str):
+    """``ours:<schedule>:<chunks>[:unfused|:nocheck]`` -> (schedule, chunks, variant)."""
+    _, schedule, chunks, *variant = name.split(":")
+    return schedule, chunks if chunks == "auto" else int(chunks), (variant or [""])[0]
+
+
+def ours_plan(name: str, n: int, hdim: int, v: int, device) -> str:
     if not name.startswith("ours:"):
         return ""
-    _, schedule, chunks = name.split(":")
-    chunks = chunks if chunks == "auto" else int(chunks)
-    plan = _policy.choose_plan(n, v, 1, hidden_size=hdim, schedule=schedule, chunks=chunks,
-                               recompute=False if schedule == "token" else None)
-    return f"{plan.schedule}x{plan.chunks}"
+    schedule, chunks, variant = _ours(name)
+    fused = variant != "unfused" and vparallel_ce.kernels.fused_applies(device, torch.bfloat16)
+    plan = _policy.choose_plan(n, v, 1, hidden_size=hdim, schedule=schedule, chunks=chunks, fused=fused)
+    how = "fwd" if plan.grad_in_forward else "kept" if plan.keep_logits else "re"
+    return f"{plan.schedule}x{plan.chunks}/{how}"
 
 
 # ---------------------------------------------------------------------------------------- reference
@@ -250,7 +269,7 @@ def bench_shape(tag, shape, methods, args, device, emit):
           f"{time.perf_counter() - s:.1f}s, loss {float(ref_loss):.5f}", flush=True)
     flops3 = 3 * 2 * n * hdim * v
     for name in methods:
-        rec = dict(shape=tag, N=n, H=hdim, V=v, method=name, plan=ours_plan(name, n, hdim, v))
+        rec = dict(shape=tag, N=n, H=hdim, V=v, method=name, plan=ours_plan(name, n, hdim, v, device))
         try:
             fn = make_method(name, device)
             if fn is None:

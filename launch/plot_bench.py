@@ -24,7 +24,8 @@ def sweep(records, shape, schedule):
     points = []
     for r in records:
         parts = r["method"].split(":")
-        if r["shape"] == shape and parts[0] == "ours" and parts[1] == schedule and parts[2].isdigit():
+        if (r["shape"] == shape and len(parts) == 3 and parts[0] == "ours" and parts[1] == schedule
+                and parts[2].isdigit() and "ms" in r):
             points.append((int(parts[2]), r["ms"], r["peak_gib"]))
     return sorted(points)
 
@@ -51,8 +52,10 @@ def main() -> None:
             for k, ms, g in pts:
                 ax.annotate(f"x{k}", (g, ms), fontsize=7, xytext=(3, 2), textcoords="offset points")
         for r in records:
-            if r["shape"] == shape and r["method"] in PEERS:
+            if r["shape"] == shape and "ms" in r and r["method"] in PEERS:
                 ax.plot(r["peak_gib"], r["ms"], "x", markersize=8, label=r["method"])
+            if r["shape"] == shape and "ms" in r and r["method"] == "ours:auto:auto":
+                ax.plot(r["peak_gib"], r["ms"], "*", markersize=12, color="black", label="ours chunks='auto'")
         ax.set_xscale("log")
         ax.set_title(shape)
         ax.set_xlabel("peak extra memory (GiB, log)")

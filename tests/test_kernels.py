@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.reference import reference_loss
+
 ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -107,7 +109,9 @@ _INTERPRETER_CHECKS = textwrap.dedent(
     # the dispatcher picks the triton ops when asked
     os.environ["VPARALLEL_CE_KERNELS"] = "triton"
     from vparallel_ce import kernels
-    assert kernels.ops_for(big).name == "triton"
+    assert kernels.ops_for(big).name == "triton+fused"
+    os.environ["VPARALLEL_CE_FUSED"] = "0"  # the row passes alone
+    assert kernels.ops_for(big).name == "triton" and not hasattr(kernels.ops_for(big), "linear_stats")
     print("KERNEL_CHECKS_OK", ran)
     """
 )
@@ -116,6 +120,7 @@ _INTERPRETER_CHECKS = textwrap.dedent(
 def test_kernels_match_torch_ops_in_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("VPARALLEL_CE_KERNELS", None)
+    env.pop("VPARALLEL_CE_FUSED", None)
     proc = subprocess.run(
         [sys.executable, "-c", _INTERPRETER_CHECKS], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240
     )
@@ -179,7 +184,15 @@ def test_linear_cross_entropy_triton_vs_torch(monkeypatch, schedule, recompute, 
         loss.backward()
         return loss.detach(), h.grad.float(), w.grad.float()
 
+    # the float64 truth of the same bf16 inputs: where the Triton path recomputes logits it runs the
+    # fused GEMM kernels, whose statistics come from the fp32 accumulator (the torch path rounds the
+    # logits to bf16 first), so it must be at least as close to it as the torch path
+    h64, w64 = h0.double().requires_grad_(), w0.double().requires_grad_()
+    ref = reference_loss(h64 @ w64.T, target, **opts)
+    ref.backward()
     a, b = _run_both(fn, monkeypatch)
-    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-5)
-    for ga, gb in zip(a[1:], b[1:]):
-        assert (ga - gb).norm() / gb.norm() < 1e-2
+    for name, got_a, got_b, truth in zip(("loss", "dh", "dW"), a, b, (ref.detach(), h64.grad, w64.grad)):
+        err_a = float((got_a.double() - truth).norm() / truth.norm())
+        err_b = float((got_b.double() - truth).norm() / truth.norm())
+        floor = 1e-3 if name == "loss" else 1e-2  # bf16 rounding of the logits / gradients
+        assert err_a < floor and err_b < floor and err_a <= 1.5 * err_b + 1e-6, (name, err_a, err_b)

@@ -287,12 +287,14 @@ def count_matmuls(fn):
 
 @pytest.mark.parametrize("chunks,matmuls", [(1, 3), (4, 12)])
 def test_an_integer_chunk_count_means_token_chunks_with_three_matmuls_each(chunks, matmuls):
-    # chunks=1 is "don't chunk": the 3-matmul fast point (gradients in forward), never the vocab schedule
+    # chunks=1 is "don't chunk": the 3-matmul fast point (the logits kept for the backward), never the
+    # vocab schedule; several token chunks make their gradients in forward
     hidden, weight, _, target = make_case(14, tokens=(4, 16), vocab=64)
     h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
     assert count_matmuls(lambda: vparallel_ce.linear_cross_entropy(h, w, target, chunks=chunks).backward()) == matmuls
     plan = vparallel_ce.policy.choose_plan(64, 64, hidden_size=H, chunks=chunks)
-    assert (plan.schedule, plan.chunks, plan.grad_in_forward) == ("token", chunks, True)
+    assert (plan.schedule, plan.chunks, plan.grad_in_forward, plan.keep_logits) == ("token", chunks, chunks > 1,
+                                                                                    chunks == 1)
 
 
 def test_the_vocab_schedule_only_when_asked_for_or_chosen_by_the_policy():
@@ -326,3 +328,21 @@ def test_per_token_losses_keep_the_one_chunk_of_logits_and_a_second_backward_rec
     expect = torch.autograd.grad(reference_loss(h2 @ w2.T, target, reduction="none"), (h2, w2), up)
     for got in (first, second):
         assert rel_err(got[0], expect[0]) < 1e-12 and rel_err(got[1], expect[1]) < 1e-12
+
+
+def test_a_bad_target_raises_at_the_front_door_before_any_matmul():
+    # the range check rides on the call's one metadata exchange (one host sync, before any kernel):
+    # no sync between the forward's kernels and the backward's
+    hidden, weight, _, target = make_case(17, tokens=(4, 16), vocab=64)
+    bad = target.clone()
+    bad[2, 3] = 64
+    errors = []
+
+    def call():
+        try:
+            vparallel_ce.linear_cross_entropy(hidden, weight, bad, chunks=2)
+        except ValueError as exc:
+            errors.append(str(exc))
+
+    assert count_matmuls(call) == 0
+    assert len(errors) == 1 and "outside [0, 64)" in errors[0] and "e.g. 64" in errors[0], errors

@@ -64,16 +64,20 @@ def test_linear_plan_prefers_the_vocab_schedule_when_the_fp32_accumulator_exceed
     lean = choose_plan(8192, LLAMA3_V, 1, hidden_size=4096)  # 2 GiB accumulator > 1 GiB default budget
     assert lean.schedule == "vocab" and lean.chunks >= 2 and not lean.grad_in_forward
     fast = choose_plan(8192, LLAMA3_V, 8, hidden_size=4096)  # fits in one chunk: 3 matmuls
-    assert fast == type(fast)("token", 1, True)
+    assert fast == type(fast)("token", 1, False, True)  # logits kept for the backward
     none = choose_plan(8192, LLAMA3_V, 8, hidden_size=4096, reduction="none")
-    assert not none.grad_in_forward  # per-token losses: any grad_output, so recompute
+    assert not none.grad_in_forward and none.keep_logits  # per-token losses: the same 3 matmuls
 
 
 def test_gpipe_microbatches_in_flight_turn_grads_in_forward_off():
     one_f1b = ChunkPolicy(microbatches_in_flight=1)
     gpipe = ChunkPolicy(microbatches_in_flight=8)
-    assert one_f1b.plan(2048, LLAMA3_V, 8, hidden_size=4096).grad_in_forward
-    assert not gpipe.plan(2048, LLAMA3_V, 8, hidden_size=4096).grad_in_forward
+    # one chunk: 1F1B keeps its logits for the backward; several token chunks make the gradients in forward
+    assert one_f1b.plan(2048, LLAMA3_V, 8, hidden_size=4096).keep_logits
+    assert one_f1b.plan(2048, LLAMA3_V, 8, hidden_size=4096, chunks=2).grad_in_forward
+    for chunks in (1, 2):  # GPipe: every microbatch in flight would hold them, so recompute
+        plan = gpipe.plan(2048, LLAMA3_V, 8, hidden_size=4096, chunks=chunks)
+        assert not plan.grad_in_forward and not plan.keep_logits
 
 
 def test_explain_says_why():
@@ -106,7 +110,8 @@ def test_auto_equals_the_explicit_count():
 # decides where the gradients are made.
 PRECEDENCE = [  # (chunks, schedule, recompute, reduction) -> (schedule, chunks, grad_in_forward, keep_logits)
     (("auto", "auto", None, "mean"), ("vocab", 16, False, False)),  # 2 GiB accumulator > 1 GiB budget
-    ((1, "auto", None, "mean"), ("token", 1, True, False)),  # "don't chunk": the 3-matmul fast point
+    ((1, "auto", None, "mean"), ("token", 1, False, True)),  # "don't chunk": the 3-matmul fast point
+    ((1, "auto", False, "mean"), ("token", 1, True, False)),  # ... with the gradients made in forward
     ((8, "auto", None, "mean"), ("token", 8, True, False)),  # an int means token chunks
     ((8, "auto", True, "mean"), ("token", 8, False, False)),
     ((8, "vocab", None, "mean"), ("vocab", 8, False, False)),
@@ -129,7 +134,8 @@ def test_precedence_of_the_knobs(knobs, expected):
                    reduction=reduction)
     unit = "token chunk" if expected[0] == "token" else "vocab block"
     assert f"{expected[0]} schedule, {expected[1]} {unit}" in text, text
-    assert ("made in forward" if expected[2] else "recomputed in backward") in text, text
+    grads = "made in forward" if expected[2] else "from the kept logits" if expected[3] else "recomputed in backward"
+    assert grads in text, text
     assert ("3 matmuls" if (expected[2] or expected[3]) and expected[0] == "token" else "4 matmuls") in text, text
 
 
@@ -137,3 +143,18 @@ def test_explain_reports_the_cross_entropy_plan_too():
     text = explain(8192, LLAMA3_V, 1)
     assert text.startswith("cross_entropy") and "token schedule, 4 token chunks" in text, text
     assert "token schedule, 3 token chunks" in explain(8192, LLAMA3_V, 1, chunks=3)
+
+
+def test_with_the_fused_kernels_the_vocab_schedule_replaces_token_chunks():
+    # odd vocab, 16384 tokens: one token chunk's fp32 logits exceed the budget. Unfused, token chunks
+    # whose fp32 dW accumulator fits are faster; fused (bf16 on a GPU), the vocab schedule writes no
+    # logits in its statistics pass and keeps memory at the floor at about the same time
+    unfused = choose_plan(16384, 32777, 1, hidden_size=768)
+    fused = choose_plan(16384, 32777, 1, hidden_size=768, fused=True)
+    assert (unfused.schedule, unfused.grad_in_forward) == ("token", True)
+    assert fused.schedule == "vocab" and not fused.grad_in_forward and not fused.keep_logits
+    assert "fused" in explain(16384, 32777, 1, hidden_size=768, fused=True)
+    # one chunk fits: the 3-matmul point either way
+    for f in (False, True):
+        plan = choose_plan(8192, LLAMA3_V, 8, hidden_size=4096, fused=f)
+        assert (plan.schedule, plan.chunks, plan.keep_logits) == ("token", 1, True)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import comm, policy as _policy
+from . import comm, kernels, policy as _policy
 from .layout import VocabLayout
 from .policy import Plan
 from .stats import LossSpec
@@ -86,7 +86,7 @@ def logits_call(logits, target, *, group, vocab_size, reduction, chunks, check, 
     facts = {"token count": lambda: target.numel(), "chunks option": lambda: _chunk_code(chunks),
              "target checksum": lambda: target.sum(), "loss options": lambda: _options_code(loss_options)}
     lay = agree(problem, group, local_size=lambda: logits.shape[-1], facts=facts, device=_device(logits),
-                vocab_size=vocab_size, check=check)
+                vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options))
     n = target.numel()
     plan = (policy or _policy.DEFAULT_POLICY).plan(n, lay.vocab_size, lay.world, reduction=reduction, chunks=chunks)
     call = Call(lay, _spec(lay, loss_options, entropy), reduction, plan, bool(check), counts=(n,))
@@ -105,7 +105,13 @@ def linear_call(hidden, weight, target, bias, *, group, sequence_parallel, vocab
     problem = check_options(reduction=reduction, chunks=chunks, schedule=schedule, recompute=recompute,
                             **loss_options) or check_linear(hidden, weight, target, bias, autocast_dtype=amp)
     sp = bool(sequence_parallel)
+
+    def fused() -> bool:  # the plan depends on it, so the ranks must agree on it (a rank's env could differ)
+        return kernels.fused_applies(weight.device, _matmul_dtype(weight, amp), entropy=entropy,
+                                     temperature=float(loss_options.get("temperature", 1.0)))
+
     facts = {
+        "fused kernels": lambda: int(fused()),
         "chunks option": lambda: _chunk_code(chunks),
         "schedule option": lambda: SCHEDULES.index(schedule),
         "recompute option": lambda: {None: -1, False: 0, True: 1}[recompute],
@@ -117,17 +123,21 @@ def linear_call(hidden, weight, target, bias, *, group, sequence_parallel, vocab
         facts["token count"] = lambda: target.numel()
         facts["target checksum"] = lambda: target.sum()
     lay = agree(problem, group, local_size=lambda: weight.shape[0], facts=facts, device=_device(weight),
-                vocab_size=vocab_size, check=check)
+                vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options))
     n = target.numel()
     sp = sp and lay.sharded
     counts = tuple(row[0] for row in comm.all_gather_ints([n], lay.group, weight.device)) if sp else (n,)
     plan = (policy or _policy.DEFAULT_POLICY).plan(
         sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1], reduction=reduction, chunks=chunks,
-        schedule=schedule, recompute=recompute)
-    matmul_dtype = amp if amp is not None and weight.dtype != torch.float64 else weight.dtype
-    call = Call(lay, _spec(lay, loss_options, entropy), reduction, plan, bool(check), sp, counts, matmul_dtype)
+        schedule=schedule, recompute=recompute, fused=fused())
+    call = Call(lay, _spec(lay, loss_options, entropy), reduction, plan, bool(check), sp, counts,
+                _matmul_dtype(weight, amp))
     inputs = LinearInputs(hidden.reshape(n, weight.shape[-1]), weight, bias, target.reshape(-1), target.shape)
     return call, inputs
+
+
+def _matmul_dtype(weight: torch.Tensor, amp: torch.dtype | None) -> torch.dtype:
+    return amp if amp is not None and weight.dtype != torch.float64 else weight.dtype
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
@@ -140,9 +150,13 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 def _spec(lay: VocabLayout, options: dict, entropy: bool) -> LossSpec:
     softcap = options.get("softcap")
-    return LossSpec(lay.vocab_size, int(options.get("ignore_index", -100)), float(options.get("label_smoothing", 0.0)),
+    return LossSpec(lay.vocab_size, _ignore_index(options), float(options.get("label_smoothing", 0.0)),
                     float(options.get("z_loss", 0.0)), None if softcap is None else float(softcap),
                     float(options.get("temperature", 1.0)), bool(entropy))
+
+
+def _ignore_index(options: dict) -> int:
+    return int(options.get("ignore_index", -100))
 
 
 def _options_code(options: dict) -> int:

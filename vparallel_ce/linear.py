@@ -44,7 +44,6 @@ from .layout import aligned_parts, vocab_blocks
 from .stats import (
     combine, compute_dtype, local_targets, loss_grad_coefs, merge, reduce, token_grad_scale, token_loss, token_slices,
 )
-from .validate import check_owned
 
 __all__ = ["linear_cross_entropy", "Schedule", "Rows", "Grads", "matmul_inputs", "take_kept"]
 
@@ -177,8 +176,11 @@ def _grad_in_place(ops, x, local_t, owned, shift, coefs, spec):
     return ops.grad_logits(x, local_t, owned, shift, coefs, spec)
 
 
-def _in_block(local_t: torch.Tensor, owned: torch.Tensor, blk: slice):
-    """Targets relative to a vocab block: (index clamped into the block, owned by the block)."""
+def _in_block(local_t: torch.Tensor, owned: torch.Tensor, blk: slice, width: int):
+    """Targets relative to a vocab block of a ``width``-column shard: (index clamped into the
+    block, owned by the block)."""
+    if blk.start == 0 and blk.stop >= width:  # the whole shard: nothing to launch
+        return local_t, owned
     in_blk = owned & (local_t >= blk.start) & (local_t < blk.stop)
     return (local_t - blk.start).clamp(0, max(blk.stop - blk.start - 1, 0)), in_blk
 
@@ -262,21 +264,39 @@ class Schedule:
         return Rows(call, self.row_chunks)
 
     @staticmethod
-    def walk(call: Call, rows: Rows, h: torch.Tensor, t: torch.Tensor):
+    def walk(call: Call, rows: Rows, h: torch.Tensor, t: torch.Tensor, targets: list | None = None):
         """The row chunks: yields ``(c, h_c, t_c, local_t, owned, valid)`` with ``h_c``/``t_c``
-        chunk ``c``'s rows (gathered over the group with sequence parallelism)."""
+        chunk ``c``'s rows (gathered over the group with sequence parallelism). ``targets``: the
+        ``(t_c, local_t, owned, valid)`` of each chunk from an earlier walk (the forward's, for the
+        backward: no second gather and no small kernels to launch again)."""
         lay, spec = call.layout, call.spec
         for c in range(len(rows)):
-            h_c, t_c = rows.gather(c, h), rows.gather(c, t, fill=spec.ignore_index)
+            h_c = rows.gather(c, h)
+            if targets:
+                yield (c, h_c, *targets[c])
+                continue
+            t_c = rows.gather(c, t, fill=spec.ignore_index)
             yield (c, h_c, t_c, *local_targets(t_c, lay.offset, lay.local_size, spec.ignore_index))
+
+    @staticmethod
+    def fused(ops, call: Call, h_c, w) -> bool:
+        """Whether the lm_head GEMM runs fused with the row passes (:mod:`vparallel_ce.kernels.fused_linear`)
+        wherever logits are recomputed: their statistics or their gradient straight from the GEMM's
+        epilogue, the logits never written."""
+        covers = getattr(ops, "fused_covers", None)
+        return covers is not None and covers(h_c, w, call.spec)
 
     def statistics(self, call: Call, ops, h_c, w, b, local_t, owned):
         """Global statistics of chunk ``c``'s rows ``h_c``: local statistics block by block, merged,
-        one exchange. Returns them and the kept blocks' logits (empty unless ``keep_logits``)."""
+        one exchange. Returns them and the kept blocks' logits (empty unless ``keep_logits``).
+        Fused, the whole shard is one GEMM whose epilogue makes the statistics (no logits, so no
+        blocks: its memory is per-(256-column tile, row) partials)."""
+        if not self.keep_logits and self.fused(ops, call, h_c, w):
+            return combine(ops.linear_stats(h_c, w, b, local_t, owned, call.spec), call.layout), []
         acc, kept = None, []
         for blk in self.blocks:
             x = F.linear(h_c, w[blk], None if b is None else b[blk])
-            idx, in_blk = _in_block(local_t, owned, blk)
+            idx, in_blk = _in_block(local_t, owned, blk, call.layout.local_size)
             st = ops.local_stats(x, idx, in_blk, call.spec)
             acc = st if acc is None else merge(acc, st)
             if self.keep_logits:
@@ -291,16 +311,23 @@ class Schedule:
         :class:`vparallel_ce.stats.GradCoefs` of the chunk's rows),
         then ``dh += dx W_b``, ``dW_b (+)= dx^T h_c``, ``db_b += sum dx``."""
         dh_rows = grads.rows_of(rows, c, h_c)
+        fused = not kept and self.fused(ops, call, h_c, w)
         for i, blk in enumerate(self.blocks):
             if blk.stop == blk.start:
                 continue
-            x = kept[i] if kept else F.linear(h_c, w[blk], None if b is None else b[blk])
-            if kept:
-                kept[i] = None  # its memory is reused by the gradient, then freed
-            idx, in_blk = _in_block(local_t, owned, blk)
-            dx = _grad_in_place(ops, x, idx, in_blk, shift, coefs, call.spec)
+            b_blk = None if b is None else b[blk]
+            if fused:  # the recomputed logits only ever exist as tiles in the GEMM's registers
+                dx = ops.linear_grad_logits(h_c, w[blk], b_blk, local_t, owned, shift, coefs, call.spec,
+                                            col_offset=blk.start)
+            else:
+                idx, in_blk = _in_block(local_t, owned, blk, call.layout.local_size)
+                x = kept[i] if kept else F.linear(h_c, w[blk], b_blk)
+                if kept:
+                    kept[i] = None  # its memory is reused by the gradient, then freed
+                dx = _grad_in_place(ops, x, idx, in_blk, shift, coefs, call.spec)
+                del x
             grads.add_block(blk, dx, h_c, w[blk], dh_rows)
-            del x, dx  # free this block before the next one's logits are allocated
+            del dx  # free this block before the next one's is allocated
         grads.end_chunk(rows, c, dh_rows)
 
 
@@ -328,20 +355,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
             n_valid = _valid_count(t, call)
             cdt = compute_dtype(wm.dtype)
             grads = Grads(h, w, b, need, acc_dtype=cdt, rows=rows, schedule=sched) if grads_now else None
-            gscale_of = _gscale_fn(torch.ones((), dtype=cdt, device=w.device), n_valid, call)
-            shift, per_token, checks, ctx.kept = [], [], [], []
+            if grads is not None:
+                gscale_of = _gscale_fn(torch.ones((), dtype=cdt, device=w.device), n_valid, call)
+            shift, per_token, ctx.kept, ctx.targets = [], [], [], []
             for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
+                if grads is None:
+                    ctx.targets.append((t_c, local_t, owned, valid))
                 st, kept = sched.statistics(call, ops, h_c, wm, bm, local_t, owned)
                 if keep:
                     ctx.kept.append(kept)
                 shift.append(torch.stack([st.max, st.log_s]))
                 per_token.append(_keep(rows, c, token_loss(st, valid, spec), call.reduction))
-                checks.append((st.owned, valid, t_c))
                 if grads is not None:
                     coefs = loss_grad_coefs(st.max, st.log_s, gscale_of(rows, c, valid), spec)
                     sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, st.max, coefs, kept, grads)
-            if call.check:
-                check_owned(*(torch.cat(parts) for parts in zip(*checks)), spec.vocab_size)
             ctx.call, ctx.need, ctx.grads_now = call, need, grads is not None
             if grads is not None:  # only [N, H] / [V_loc, H] gradients are kept, no logits
                 ctx.save_for_backward(*grads.finish(rows))
@@ -365,7 +392,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             gscale_of = _gscale_fn(grad_out, n_valid, call)
             kept_chunks = take_kept(ctx)
             at = 0
-            for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
+            for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t, ctx.targets):
                 (m_c, log_s_c), at = shift[:, at : at + t_c.shape[0]], at + t_c.shape[0]
                 coefs = loss_grad_coefs(m_c, log_s_c, gscale_of(rows, c, valid), call.spec)
                 sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, m_c, coefs,

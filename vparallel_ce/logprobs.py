@@ -27,7 +27,6 @@ from .call import Call, linear_call, logits_call
 from .cross_entropy import logits_gradient, logits_statistics
 from .linear import Grads, Schedule, matmul_inputs, take_kept
 from .stats import compute_dtype, logprob_grad_coefs
-from .validate import check_owned
 
 __all__ = ["token_logprobs", "linear_token_logprobs"]
 
@@ -159,7 +158,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             keep = Schedule.keeps_for_backward(call, need)
             sched = Schedule.of(call, keep_logits=keep)
             rows = sched.rows(call)
-            shift, entropy, mine, checks, ctx.kept = [], [], [], [], []
+            shift, entropy, mine, ctx.kept = [], [], [], []
             for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
                 st, kept = sched.statistics(call, ops, h_c, wm, bm, local_t, owned)
                 if keep:
@@ -168,9 +167,6 @@ class _LinearTokenLogprobs(torch.autograd.Function):
                 shift.append(torch.stack([st.max, st.log_s]))
                 entropy.append(entropy_c)
                 mine.append((rows.own(c, logp_c), rows.own(c, entropy_c)))
-                checks.append((st.owned, valid, t_c))
-            if call.check:
-                check_owned(*(torch.cat(parts) for parts in zip(*checks)), call.spec.vocab_size)
             ctx.save_for_backward(h, w, b, t, torch.cat(shift, dim=1), torch.cat(entropy))
             ctx.call = call
             ctx.set_materialize_grads(False)

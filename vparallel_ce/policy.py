@@ -13,8 +13,9 @@ Precedence (``docs/api.md``), each knob deciding one thing:
 2. ``chunks``: an integer is the token-chunk or vocab-block count (capped by the tokens / the
    128-column block rounding); ``"auto"`` sizes chunks from the budget.
 3. ``recompute``: ``True`` recomputes the logits in backward, ``False`` makes the gradients in
-   forward (mean/sum only); ``None``: in forward for the token schedule with at most one microbatch in
-   flight, else recompute.
+   forward (mean/sum only); ``None``: with one token chunk and at most one microbatch in flight the
+   chunk's logits are kept for the backward (3 matmuls, ``Plan.keep_logits``); with several token
+   chunks the gradients are made in forward (mean/sum); else recompute.
 
 Memory model (bytes, per rank, ``V_loc = ceil(V / tp)``):
 
@@ -100,10 +101,12 @@ class ChunkPolicy:
 
     def plan(self, num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,
              reduction: str = "mean", chunks: int | str = "auto", schedule: str = "auto",
-             recompute: bool | None = None) -> Plan:
+             recompute: bool | None = None, fused: bool = False) -> Plan:
         """The plan of one call. ``hidden_size=None`` plans ``cross_entropy`` (logits given: token
         chunks, gradients in backward); otherwise ``linear_cross_entropy`` with the call's
-        ``chunks``, ``schedule`` and ``recompute`` (precedence in the module docstring)."""
+        ``chunks``, ``schedule`` and ``recompute`` (precedence in the module docstring). ``fused``:
+        the call's recomputed logits run through the fused GEMM kernels
+        (:func:`vparallel_ce.kernels.fused_applies`: bf16/fp16 on a GPU with Triton)."""
         v_loc = local_vocab(vocab_size, tp_degree)
         why = []
         if hidden_size is None:
@@ -123,10 +126,17 @@ class ChunkPolicy:
             # Several: the token schedule's fp32 dW accumulator (4 V_loc H bytes) does not shrink
             # with more chunks; past the budget walk the vocab instead (4 matmuls, memory at the floor)
             accumulator = v_loc * hidden_size * 4
-            if k0 == 1 or accumulator <= self.budget:
+            if k0 == 1 or (accumulator <= self.budget and not fused):
                 schedule, sized = "token", True
                 why.append(_budget_reason(self, num_tokens, v_loc, k0) + (
                     "" if k0 == 1 else f"; the fp32 dW accumulator ({accumulator / GiB:.2f} GiB) fits too"))
+            elif fused:
+                # fused, the vocab schedule's statistics pass writes no logits and its gradient pass
+                # none but one dx block: memory at the floor at about the time of token chunks
+                # (docs/benchmarks.md run 5: odd vocab vocab x8 6.5 ms / 0.22 GiB, token x3 7.4 / 0.48)
+                schedule = "vocab"
+                why.append(_budget_reason(self, num_tokens, v_loc, k0) + "; so vocab blocks, whose logits the fused "
+                           "GEMM kernels never write (dW of each block from one matmul)")
             else:
                 schedule = "vocab"
                 why.append(f"token chunks would need an fp32 dW accumulator of {accumulator / GiB:.2f} GiB, over "
@@ -148,15 +158,25 @@ class ChunkPolicy:
                        f"~{self.block_columns} columns")
         if schedule == "vocab":
             k = len(vocab_blocks(v_loc, k))  # the count the 128-column rounding realises
+        # One token chunk and one microbatch in flight: keep that chunk's logits from forward and
+        # make the gradients in backward, where the upstream gradient is known (3 matmuls, and no
+        # pass that rescales dW by it). The peak is the same as making them in forward: the
+        # logits exist then too, and the gradient is written over them.
+        keep = (recompute is None and schedule == "token" and k == 1 and self.microbatches_in_flight <= 1)
         if recompute is not None:
             gif = not recompute
             why.append(f"recompute={recompute} as given")
+        elif keep:
+            gif = False
+            why.append("one token chunk: its logits are kept from forward and the gradients made from them in "
+                       "backward, scaled by the upstream gradient there (3 matmuls)")
         elif reduction == "none":
             gif = False
             why.append("reduction='none': the upstream gradient is known only in backward, so recompute")
         elif schedule == "token" and self.microbatches_in_flight <= 1:
             gif = True
-            why.append("gradients made in forward (3 matmuls): at most one microbatch in flight holds them")
+            why.append("gradients made in forward (3 matmuls; dW summed over the chunks in fp32): at most one "
+                       "microbatch in flight holds them")
         elif schedule == "token":
             gif = False
             why.append(f"{self.microbatches_in_flight} microbatches in flight would each hold dW from forward to "
@@ -164,13 +184,6 @@ class ChunkPolicy:
         else:
             gif = False
             why.append("vocab blocks recompute their logits in backward (memory at the floor)")
-        # Per-token outputs (reduction="none", the log-prob ops) get their upstream gradient only
-        # in backward. With one token chunk and one microbatch in flight, keeping that chunk's
-        # logits (bf16, within the budget) from forward saves the recompute matmul.
-        keep = (not gif and recompute is None and schedule == "token" and k == 1 and self.microbatches_in_flight <= 1)
-        if keep:
-            why.append("per-token upstream gradients: the one chunk's logits are kept from forward for the backward "
-                       "(3 matmuls)")
         return Plan(schedule, k, gif, keep, tuple(why))
 
 
@@ -220,26 +233,29 @@ def choose_chunks(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, dtype
 
 def choose_plan(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,
                 reduction: str = "mean", policy: ChunkPolicy | None = None, chunks: int | str = "auto",
-                schedule: str = "auto", recompute: bool | None = None) -> Plan:
+                schedule: str = "auto", recompute: bool | None = None, fused: bool = False) -> Plan:
     """The :class:`Plan` a call with these arguments runs (``hidden_size=None``: ``cross_entropy``)."""
     return (policy or DEFAULT_POLICY).plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size,
                                            reduction=reduction, chunks=chunks, schedule=schedule,
-                                           recompute=recompute)
+                                           recompute=recompute, fused=fused)
 
 
 def explain(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,
             reduction: str = "mean", policy: ChunkPolicy | None = None, chunks: int | str = "auto",
-            schedule: str = "auto", recompute: bool | None = None) -> str:
+            schedule: str = "auto", recompute: bool | None = None, fused: bool = False) -> str:
     """One paragraph: the plan a call with these arguments runs, and why. The arguments are the
     call's own (``num_tokens`` over the whole group with sequence parallelism); ``hidden_size=None``
-    explains ``cross_entropy``, a hidden size ``linear_cross_entropy``."""
+    explains ``cross_entropy``, a hidden size ``linear_cross_entropy``. ``fused``: whether the call
+    runs the fused GEMM kernels -- ``vparallel_ce.kernels.fused_applies(weight.device, dtype)``,
+    True for bf16/fp16 on a GPU with Triton."""
     policy = policy or DEFAULT_POLICY
     p = policy.plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, reduction=reduction,
-                    chunks=chunks, schedule=schedule, recompute=recompute)
+                    chunks=chunks, schedule=schedule, recompute=recompute, fused=fused)
     op = "cross_entropy" if hidden_size is None else "linear_cross_entropy"
     unit = "token chunk" if p.schedule == "token" else "vocab block"
     grads = "in backward" if hidden_size is None else (
-        "made in forward" if p.grad_in_forward else "recomputed in backward")
+        "made in forward" if p.grad_in_forward else
+        "made in backward from the kept logits" if p.keep_logits else "recomputed in backward")
     matmuls = "" if hidden_size is None else f", {_matmuls(p)} matmuls of 2*N*H*V_loc FLOPs"
     return (f"{op} (V={vocab_size} over tp={tp_degree}, {policy.microbatches_in_flight} microbatch(es) in flight): "
             f"{p.schedule} schedule, {p.chunks} {unit}{'s' if p.chunks != 1 else ''}, gradients {grads}{matmuls}. "

@@ -21,8 +21,8 @@ Forward, per chunk -- the only data that crosses ranks are a few floats per toke
 2. ``m = all_reduce_MAX(m_r)``;
 3. ``all_reduce_SUM([S_r e^{m_r - m}, z_t, sum z, owned, e^{m_r - m} (E_r + (m_r - m) S_r)])``
    -> ``lse = m + log S`` and ``H = log S - E / S`` (every term is relative to the max, so logits
-   of large magnitude lose nothing to cancellation). ``owned`` summed over the group must be 1
-   for every valid token: that is the out-of-range target check, at no extra collective.
+   of large magnitude lose nothing to cancellation). ``owned`` summed over the group is 1 for
+   every valid token (targets are range-checked at the front door, :func:`vparallel_ce.validate.agree`).
 
 Backward, per chunk -- local only. Every op's gradient has the one form::
 
@@ -119,7 +119,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def local_targets(target: torch.Tensor, offset: int, local_size: int, ignore_index: int):
     """Map global ids to this shard: ``(local index clamped into range, owned mask, valid mask)``."""
     valid = target != ignore_index
-    local = target - offset
+    local = target - offset if offset else target
     owned = valid & (local >= 0) & (local < local_size)
     return local.clamp(0, max(local_size - 1, 0)), owned, valid
 
@@ -176,6 +176,10 @@ def merge(a: ChunkStats, b: ChunkStats) -> ChunkStats:
 
 def combine(stats: ChunkStats, layout) -> TokenStats:
     """Steps 2-3: join the ranks' statistics -- one all-reduce MAX and one fused all-reduce SUM."""
+    if not layout.sharded:  # one rank: its statistics are the global ones (no rescaling to launch)
+        log_s = torch.log(stats.sumexp)
+        entropy = log_s - stats.zexp / stats.sumexp if stats.zexp is not None else None
+        return TokenStats(stats.max + log_s, stats.target, stats.sum, stats.owned, entropy, stats.max, log_s)
     m = comm.all_reduce_max_(stats.max.clone(), layout.group)
     parts = [_rescale(stats.sumexp, stats.max, m), stats.target, stats.sum, stats.owned]
     if stats.zexp is not None:

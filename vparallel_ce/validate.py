@@ -3,8 +3,9 @@
 The local checks return a :class:`Problem` (or None) instead of raising, so that "some rank's input
 is bad" travels through the one metadata exchange every call makes anyway (:func:`agree`) and the
 error is raised on EVERY rank -- a rank that raised alone would leave the others waiting in the
-next collective. Out-of-range targets are detected later, from the all-reduced ownership count
-(:func:`check_owned`), which every rank sees identically.
+next collective. Out-of-range targets travel through the same exchange (each rank's lowest and
+highest valid id), so the target check costs no collective and no host sync beyond that one, and
+it happens before any kernel of the op is launched.
 """
 
 from __future__ import annotations
@@ -18,8 +19,7 @@ from . import comm
 from .layout import VocabLayout, shard_sizes
 from .stats import REDUCTIONS
 
-__all__ = ["Problem", "InvalidInputError", "check_options", "check_logits", "check_linear", "agree", "check_owned",
-           "SCHEDULES"]
+__all__ = ["Problem", "InvalidInputError", "check_options", "check_logits", "check_linear", "agree", "SCHEDULES"]
 
 SCHEDULES = ("auto", "token", "vocab")
 
@@ -140,6 +140,8 @@ def agree(
     device,
     vocab_size: int | None,
     check: bool,
+    target: torch.Tensor | None = None,
+    ignore_index: int = -100,
 ) -> VocabLayout:
     """The one metadata exchange of a call: raise ``problem`` on every rank, check that the ranks
     agree on ``facts`` and that the shard sizes form the torch.chunk layout; return the layout.
@@ -155,14 +157,19 @@ def agree(
         vocab_size: the global vocab size if the caller knows it (a DTensor does).
         check: exchange (one all-gather of a few int64s) and check. Needed anyway when ``vocab_size``
             is unknown; skipped otherwise with ``check=False``, and then a problem raises locally.
+        target, ignore_index: with ``check``, every valid id of every rank's ``target`` must lie in
+            ``[0, V)`` (one host sync at world 1, none beyond the exchange's otherwise).
     """
     world = comm.world_size(group)
     if problem is not None and (world == 1 or not (check or vocab_size is None)):
         problem.raise_()
+    span = check and target is not None
     if world == 1:
         v = local_size() if vocab_size is None else vocab_size
         if v != local_size():
             raise ValueError(f"vocab_size={vocab_size} but the unsharded input has {local_size()} classes")
+        if span:
+            _check_targets([_target_span(target, ignore_index).tolist()], v)
         return VocabLayout.of_rank(None, 1, 0, v)
     me = comm.rank(group)
     if check or vocab_size is None:
@@ -170,13 +177,17 @@ def agree(
         ok = problem is None
         mine = [int(not ok), local_size() if ok else 0, -1 if vocab_size is None else vocab_size]
         mine += [facts[n]() if ok else 0 for n in names]
+        if span:
+            mine += list(_target_span(target, ignore_index).unbind()) if ok else [0, 0]
         rows = comm.all_gather_ints(mine, group, device)
         if problem is not None:
             problem.raise_()
         bad = [r for r, row in enumerate(rows) if row[0]]
         if bad:
             raise InvalidInputError(f"invalid input on rank(s) {bad} of the vocab-parallel group (see the error there)")
-        vocab_size = _check_rows([row[1:] for row in rows], names, vocab_size, world)
+        vocab_size = _check_rows([row[1 : 3 + len(names)] for row in rows], names, vocab_size, world)
+        if span:
+            _check_targets([row[3 + len(names):] for row in rows], vocab_size)
     lay = VocabLayout.of_rank(group, world, me, vocab_size)
     if lay.local_size != local_size():
         raise ValueError(
@@ -214,13 +225,24 @@ def _check_rows(rows: list[list[int]], names: list[str], vocab_size: int | None,
     return total
 
 
-def check_owned(owned_total: torch.Tensor, valid: torch.Tensor, target: torch.Tensor, vocab_size: int) -> None:
-    """Every valid token's id must be owned by exactly one rank. ``owned_total`` is the all-reduced
-    ownership count, identical on every rank, so every rank raises together (one host sync)."""
-    bad = valid & (owned_total.round() != 1)
-    if bool(bad.any()):
-        ids = target[bad]
-        raise InvalidInputError(
-            f"target holds {int(bad.sum())} id(s) outside [0, {vocab_size}) that are not ignore_index "
-            f"(e.g. {int(ids[0])}); pass check=False to skip this check"
-        )
+def _target_span(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``[min, max]`` (on the target's device) of the valid ids of ``target`` and 0: both inside
+    ``[0, V)`` exactly when every valid id is."""
+    t = target.reshape(-1)
+    if t.numel() == 0:
+        return torch.zeros(2, dtype=torch.int64, device=t.device)
+    # ignored ids count as 0, which is in range: 4 small kernels, for this runs on every call
+    lo, hi = torch.aminmax(torch.where(t == ignore_index, 0, t))
+    return torch.stack([lo, hi])
+
+
+def _check_targets(spans: list[list[int]], vocab_size: int) -> None:
+    """Every rank's ``[min, max]`` valid id against ``[0, V)``: every rank holds every span, so
+    every rank raises the same error."""
+    for r, (lo, hi) in enumerate(spans):
+        if lo < 0 or hi >= vocab_size:
+            where = f" on rank {r}" if len(spans) > 1 else ""
+            raise InvalidInputError(
+                f"target holds id(s) outside [0, {vocab_size}) that are not ignore_index (e.g. {lo if lo < 0 else hi}"
+                f"{where}); pass check=False to skip this check"
+            )

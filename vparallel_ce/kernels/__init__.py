@@ -2,8 +2,11 @@
 
 ``ops_for(tensor)`` returns an object with ``local_stats`` and ``grad_logits`` of exactly the
 signatures in :mod:`vparallel_ce.stats`. The torch versions there are the reference and the CPU
-path; fused CUDA kernels (Triton) replace them on GPU when available. Set
-``VPARALLEL_CE_KERNELS=torch`` to force the reference path.
+path; fused CUDA kernels (Triton) replace them on GPU when available. The Triton ops also carry
+``linear_stats`` / ``linear_grad_logits`` (:mod:`.fused_linear`: the lm_head GEMM with either step
+in its epilogue), which ``linear_cross_entropy`` uses wherever it would recompute logits, where
+``fused_covers(h, w, spec)`` is true. Set ``VPARALLEL_CE_KERNELS=torch`` to force the reference
+path, ``VPARALLEL_CE_FUSED=0`` to keep cuBLAS + the row passes.
 """
 
 from __future__ import annotations
@@ -13,27 +16,33 @@ from types import SimpleNamespace
 
 from .. import stats
 
-__all__ = ["ops_for", "TORCH_OPS"]
+__all__ = ["ops_for", "fused_applies", "TORCH_OPS"]
 
 TORCH_OPS = SimpleNamespace(name="torch", local_stats=stats.local_stats, grad_logits=stats.grad_logits)
 
 
-def _triton_ops():
+def _triton_ops(fused: bool):
     try:
-        from . import triton_ce
+        from . import fused_linear, triton_ce
     except Exception:  # triton missing or failing to import: keep the torch path
         return None
-    return triton_ce.OPS
+    if not fused:
+        return triton_ce.OPS
+    # the row passes, plus the lm_head GEMM fused with each of them (linear_cross_entropy's
+    # recomputed logits): ``fused_covers(h, w, spec)`` says where the GEMM kernels take the inputs
+    return SimpleNamespace(**{**vars(triton_ce.OPS), "name": "triton+fused"}, fused_covers=fused_linear.schedule_covers,
+                           linear_stats=fused_linear.linear_stats, linear_grad_logits=fused_linear.linear_grad_logits)
 
 
 def ops_for(x):
-    """The implementation for tensors like ``x``: Triton on CUDA (fp16/bf16/fp32) when importable."""
+    """The implementation for tensors like ``x``: Triton on CUDA (fp16/bf16/fp32) when importable,
+    with the fused lm_head GEMM kernels unless ``VPARALLEL_CE_FUSED=0``."""
     choice = os.environ.get("VPARALLEL_CE_KERNELS", "auto")
     if choice == "torch":
         return TORCH_OPS
     use_triton = choice == "triton" or (x.is_cuda and x.dtype in _TRITON_DTYPES)
     if use_triton:
-        ops = _triton_ops()
+        ops = _triton_ops(os.environ.get("VPARALLEL_CE_FUSED", "1") != "0")
         if ops is not None:
             return ops
     return TORCH_OPS
@@ -46,3 +55,23 @@ def _dtypes():
 
 
 _TRITON_DTYPES = _dtypes()
+
+
+def fused_applies(device, dtype, *, entropy: bool = False, temperature: float = 1.0) -> bool:
+    """Whether ``linear_cross_entropy`` runs the fused GEMM kernels for lm_head operands of this
+    device and matmul dtype (what the policy plans with): bf16/fp16 on a CUDA GPU with tensor
+    cores (sm80+) and Triton, unless ``VPARALLEL_CE_KERNELS=torch`` or ``VPARALLEL_CE_FUSED=0``;
+    not for the log-prob ops' temperature / entropy statistic."""
+    import torch
+
+    if entropy or temperature != 1.0 or os.environ.get("VPARALLEL_CE_FUSED", "1") == "0":
+        return False
+    choice = os.environ.get("VPARALLEL_CE_KERNELS", "auto")
+    if choice == "torch" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    device = torch.device(device)
+    if device.type != "cuda" or _triton_ops(True) is None:
+        return False
+    from .fused_linear import _capability  # cached per device: this runs on every call
+
+    return _capability(device) >= (8, 0)

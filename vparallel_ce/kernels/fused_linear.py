@@ -47,7 +47,8 @@ try:  # Triton >= 3.3
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
-__all__ = ["TileConfig", "DEFAULT_CONFIGS", "covered", "linear_stats", "linear_stats_keep", "linear_grad_logits"]
+__all__ = ["TileConfig", "DEFAULT_CONFIGS", "covered", "schedule_covers", "linear_stats", "linear_stats_keep",
+           "linear_grad_logits"]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 SCHEDULES = ("tiles", "persistent", "ws")
@@ -266,9 +267,9 @@ def _merge_kernel(PMAX, PSUM, PTOT, MAX, SUMEXP, SUM, c, n_parts, SMOOTH: tl.con
     tl.store(SUM + rows, tot, mask=mask)
 
 
-@triton.jit(do_not_specialize=["c", "V", "n_prog"])
+@triton.jit(do_not_specialize=["c", "V", "n_prog", "col0"])
 def _grad_kernel(
-    H_, W_, D_, B, T, OWN, SHIFT, CA, CB, CC, CD, c, V, K, s_hm, s_wn, s_dm, n_prog,
+    H_, W_, D_, B, T, OWN, SHIFT, CA, CB, CC, CD, c, V, K, s_hm, s_wn, s_dm, n_prog, col0,
     cap, inv_cap, inv_t, t_over_cap,
     HAS_BIAS: tl.constexpr, HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, HAS_B: tl.constexpr, HAS_D: tl.constexpr,
     TMA: tl.constexpr, TMA_STORE: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
@@ -288,7 +289,8 @@ def _grad_kernel(
         rmask = rows < c
         shift = tl.load(SHIFT + rows, mask=rmask, other=0.0)
         a = tl.load(CA + rows, mask=rmask, other=0.0)
-        t = tl.load(T + rows, mask=rmask, other=-1).to(tl.int32)  # int32 compares: fewer registers
+        # the target's column in this block (a shard target outside the block matches no column)
+        t = (tl.load(T + rows, mask=rmask, other=-1) - col0).to(tl.int32)  # int32 compares: fewer registers
         hit = tl.where(tl.load(OWN + rows, mask=rmask, other=0) != 0, tl.load(CC + rows, mask=rmask, other=0.0), 0.0)
         z = x
         if HAS_CAP:
@@ -427,6 +429,15 @@ def _stats_fused(h, w, spec) -> bool:
     return _fused(h, w) and spec.temperature == 1.0 and not spec.entropy
 
 
+def schedule_covers(h, w, spec) -> bool:
+    """Whether ``linear_cross_entropy``'s schedules should take these kernels for ``h``, ``w``: both
+    of them fused (no reference fallback that would materialise the logits of the whole shard),
+    and on a GPU only 16-bit operands (an fp32 GEMM stays with cuBLAS)."""
+    if not _stats_fused(h, w, spec):
+        return False
+    return _interpreting() or h.dtype in (torch.bfloat16, torch.float16)
+
+
 def linear_stats(h, w, b, local_t, owned, spec, *, config: TileConfig | None = None) -> stats.ChunkStats:
     """``stats.local_stats(F.linear(h, w, b), local_t, owned, spec)`` without writing the logits."""
     if not _stats_fused(h, w, spec):
@@ -443,11 +454,17 @@ def linear_stats_keep(h, w, b, local_t, owned, spec, *, config: TileConfig | Non
     return _stats(h, w, _check_bias(b, w), local_t, owned, spec, True, config)
 
 
-def linear_grad_logits(h, w, b, local_t, owned, shift, coefs, spec, *, config: TileConfig | None = None):
+def linear_grad_logits(h, w, b, local_t, owned, shift, coefs, spec, *, col_offset: int = 0,
+                       config: TileConfig | None = None):
     """``stats.grad_logits(F.linear(h, w, b), local_t, owned, shift, coefs, spec)`` in ``h``'s dtype,
     the logits recomputed tile by tile and never stored (a ``[c, Vb]`` view, row stride rounded up
-    to 16 elements)."""
+    to 16 elements). ``col_offset``: ``w`` is the block of a shard that starts at that column, and
+    ``local_t``/``owned`` are relative to the shard (a target outside the block is no hit): a
+    schedule walking vocab blocks passes its chunk's targets unchanged."""
     if not _fused(h, w):
+        if col_offset:  # the reference takes block-relative targets
+            owned = owned & (local_t >= col_offset) & (local_t < col_offset + w.shape[0])
+            local_t = (local_t - col_offset).clamp(0, max(w.shape[0] - 1, 0))
         return stats.grad_logits(F.linear(h, w, b), local_t, owned, shift, coefs, spec)
     b = _check_bias(b, w)
     L = _Launch(h, w, config or DEFAULT_CONFIGS["grad"])
@@ -462,7 +479,8 @@ def linear_grad_logits(h, w, b, local_t, owned, shift, coefs, spec, *, config: T
     _grad_kernel[(L.n_prog,)](
         L.h_arg, L.w_arg, d_arg, b if b is not None else a, local_t.contiguous(), _int8(owned), f32(shift), a,
         a if coefs.b is None else f32(coefs.b), f32(coefs.c), a if coefs.d is None else f32(coefs.d),
-        L.c, L.V, L.K, L.h.stride(0), L.w.stride(0), ld, L.n_prog, cap, inv_cap, 1.0 / temp, temp / cap,
+        L.c, L.V, L.K, L.h.stride(0), L.w.stride(0), ld, L.n_prog, int(col_offset), cap, inv_cap, 1.0 / temp,
+        temp / cap,
         HAS_BIAS=b is not None, HAS_CAP=spec.softcap is not None, HAS_T=temp != 1.0, HAS_B=coefs.b is not None,
         HAS_D=coefs.d is not None, **L.meta,
     )

@@ -142,6 +142,16 @@ def _launch_cfg(width: int, elt: int):
     return block, warps
 
 
+def _stats_launch_cfg(width: int, elt: int):
+    """The statistics pass reduces every tile (max, sum): 4 warps per row keep those reductions
+    short; 2048-wide tiles below ~100k columns (H200 sweep, docs/kernels.md: 3.5 TB/s at 128256
+    columns, 2.1 TB/s at 16032 and 32777)."""
+    block, warps = _launch_cfg(width, elt)
+    if block >= 2048:
+        block, warps = (block if width >= 100_000 else 2048), 4
+    return block, warps
+
+
 def _rowwise(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -163,7 +173,7 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
     m, se, tg, sm = (torch.empty(c, **f32) for _ in range(4))
     zexp = torch.empty(c, **f32) if spec.entropy else sm  # a dummy pointer without entropy
     own = owned.contiguous().view(torch.int8) if owned.dtype == torch.bool else owned.contiguous()
-    block, warps = _launch_cfg(width, x.element_size())
+    block, warps = _stats_launch_cfg(width, x.element_size())
     args, flags = _transform_args(spec)
     _stats_kernel[(c,)](
         x, x.stride(0), local_target.contiguous(), own, m, se, tg, sm, zexp, width, args["cap"], args["inv_cap"],
