@@ -153,6 +153,15 @@ _STATS_AND_GRADS = _CASES + textwrap.dedent(
         ref = stats.local_stats(F.linear(big[:, 4:36], w[8:72]), lt, own, spec)
         for r, g in zip(ref[:5], got[:5]):  # (the entropy statistic is not asked for)
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+        # a bias of -inf over whole column tiles (masked vocab entries): partial sums 0, not nan
+        b_inf = torch.zeros(80)
+        b_inf[:40] = float("-inf")  # tile 0 (32 columns) all -inf, tile 1 partly
+        lt80, own80, _ = stats.local_targets(torch.randint(40, 80, (20,)), 0, 80, -100)
+        ref = stats.local_stats(F.linear(big[:, :32], w, b_inf), lt80, own80, spec)
+        got = fl.linear_stats(big[:, :32], w, b_inf, lt80, own80, spec, config=cfg)
+        for name, r, g in zip(ref._fields[:5], ref[:5], got[:5]):
+            assert not g.isnan().any(), name
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"-inf bias {name}: {m}")
         # not covered: fp64, mixed dtypes -> the torch reference, same results
         h64, w64 = big[:, :32].double(), w.double()
         assert not fl.covered(h64, w64) and not fl.covered(big[:, :32], w64) and fl.covered(big[:, :32], w)
@@ -281,3 +290,38 @@ _SCHEDULES_FUSED = textwrap.dedent(
 @pytest.mark.parametrize("world,sp", [(1, "replicated"), (3, "replicated"), (2, "sp")])
 def test_schedules_run_the_fused_kernels_against_float64(world, sp):
     _interpreted(_SCHEDULES_FUSED, str(world), sp, kernels="triton")
+
+
+_KEPT_THEN_RECOMPUTED = textwrap.dedent(
+    r"""
+    import torch
+    from vparallel_ce import linear_cross_entropy
+    from vparallel_ce.kernels import fused_linear as fl
+    calls = []
+    real = fl.linear_grad_logits
+    fl.linear_grad_logits = lambda *a, **k: calls.append(1) or real(*a, **k)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(12, 16, generator=g).requires_grad_()
+    w = torch.randn(40, 16, generator=g).requires_grad_()
+    t = torch.randint(0, 40, (12,), generator=g)
+    # chunks=1 keeps the logits (cuBLAS-style unfused statistics); the second backward of the
+    # graph finds them used up and must recompute them the same unfused way, not in the fused
+    # kernel, whose fp32-accumulator logits would not match the forward's statistics
+    out = linear_cross_entropy(h, w, t, chunks=1, reduction="none")
+    first = torch.autograd.grad(out.sum(), (h, w), retain_graph=True)
+    second = torch.autograd.grad(out.sum(), (h, w))
+    assert not calls, calls
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # a recomputing plan takes the fused kernel in both backwards
+    out = linear_cross_entropy(h, w, t, chunks=2, schedule="vocab", reduction="none")
+    torch.autograd.grad(out.sum(), (h, w), retain_graph=True)
+    torch.autograd.grad(out.sum(), (h, w))
+    assert len(calls) == 4, calls
+    print("FUSED_CHECKS_OK")
+    """
+)
+
+
+def test_a_second_backward_of_kept_logits_recomputes_them_unfused():
+    _interpreted(_KEPT_THEN_RECOMPUTED, kernels="triton")

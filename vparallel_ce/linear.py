@@ -88,7 +88,8 @@ def linear_cross_entropy(
         schedule: ``"token"``, ``"vocab"`` or ``"auto"`` (token for an int ``chunks``, else the policy).
         recompute: ``True`` recomputes the logits in backward (flat forward memory: what a pipeline
             schedule holding several microbatches wants); ``False`` makes the gradients in forward
-            (mean/sum only); ``None``: in forward for the token schedule with one microbatch in flight.
+            (mean/sum only); ``None``, with one microbatch in flight: one token chunk keeps its logits
+            for the backward (3 matmuls), several token chunks make the gradients in forward.
         policy: a :class:`vparallel_ce.policy.ChunkPolicy` (budget, microbatches in flight, ...).
             ``vparallel_ce.policy.explain`` with the same arguments prints the plan this call runs.
 
@@ -240,8 +241,8 @@ class Grads:
 class Schedule:
     """A walk over the ``[N, V_loc]`` logits: ``row_chunks`` token chunks x ``blocks`` of the local
     vocab, with the two steps below for each chunk. ``keep_logits``: the statistics step keeps each
-    block's logits for the gradient step (token schedule, gradients made in forward: 3 matmuls);
-    else the gradient step recomputes them."""
+    block's logits for the gradient step (token schedule: gradients made in forward, or in backward
+    from logits kept since forward; 3 matmuls); else the gradient step recomputes them."""
 
     row_chunks: int
     blocks: tuple[slice, ...]
@@ -311,7 +312,10 @@ class Schedule:
         :class:`vparallel_ce.stats.GradCoefs` of the chunk's rows),
         then ``dh += dx W_b``, ``dW_b (+)= dx^T h_c``, ``db_b += sum dx``."""
         dh_rows = grads.rows_of(rows, c, h_c)
-        fused = not kept and self.fused(ops, call, h_c, w)
+        # Recompute fused only where the forward's statistics were fused too: a plan that kept the
+        # logits took its statistics from cuBLAS's bf16 logits, and a second backward of its graph
+        # (kept logits used up) must recompute the same bf16 logits, not the fp32 accumulator's.
+        fused = not kept and not call.plan.keep_logits and self.fused(ops, call, h_c, w)
         for i, blk in enumerate(self.blocks):
             if blk.stop == blk.start:
                 continue

@@ -177,8 +177,8 @@ def agree(
         ok = problem is None
         mine = [int(not ok), local_size() if ok else 0, -1 if vocab_size is None else vocab_size]
         mine += [facts[n]() if ok else 0 for n in names]
-        if span:
-            mine += list(_target_span(target, ignore_index).unbind()) if ok else [0, 0]
+        # always two slots, so ranks that differ in ``check`` still gather rows of one length
+        mine += list(_target_span(target, ignore_index).unbind()) if ok and span else [0, 0]
         rows = comm.all_gather_ints(mine, group, device)
         if problem is not None:
             problem.raise_()

@@ -241,7 +241,8 @@ def _stats_kernel(
         if SMOOTH:
             tl.store(PTOT + part, tl.sum(tl.where(cmask, z, 0.0), axis=1), mask=rmask)
         m = tl.max(z, axis=1)
-        s = tl.sum(tl.exp2(z * _LOG2E - (m * _LOG2E)[:, None]), axis=1)
+        m_ref = tl.where(m > float("-inf"), m, 0.0)  # a tile of -inf logits (a masking bias): sum 0, not nan
+        s = tl.sum(tl.exp2(z * _LOG2E - (m_ref * _LOG2E)[:, None]), axis=1)
         tl.store(PMAX + part, m, mask=rmask)
         tl.store(PSUM + part, s, mask=rmask)
 
@@ -254,11 +255,12 @@ def _merge_kernel(PMAX, PSUM, PTOT, MAX, SUMEXP, SUM, c, n_parts, SMOOTH: tl.con
     s = tl.zeros([BLOCK], dtype=tl.float32)
     tot = tl.zeros([BLOCK], dtype=tl.float32)
     for j in range(0, n_parts):
-        off = j * c + rows  # every part has at least one valid column: its max is finite
+        off = j * c + rows  # a part's max is -inf (sum 0) where all its logits are -inf
         pm = tl.load(PMAX + off, mask=mask, other=0.0)
         ps = tl.load(PSUM + off, mask=mask, other=0.0)
         m_new = tl.maximum(m, pm)
-        s = s * tl.exp2((m - m_new) * _LOG2E) + ps * tl.exp2((pm - m_new) * _LOG2E)
+        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # -inf - -inf would be nan
+        s = s * tl.exp2((m - m_ref) * _LOG2E) + ps * tl.exp2((pm - m_ref) * _LOG2E)
         m = m_new
         if SMOOTH:
             tot += tl.load(PTOT + off, mask=mask, other=0.0)
@@ -461,10 +463,9 @@ def linear_grad_logits(h, w, b, local_t, owned, shift, coefs, spec, *, col_offse
     to 16 elements). ``col_offset``: ``w`` is the block of a shard that starts at that column, and
     ``local_t``/``owned`` are relative to the shard (a target outside the block is no hit): a
     schedule walking vocab blocks passes its chunk's targets unchanged."""
-    if not _fused(h, w):
-        if col_offset:  # the reference takes block-relative targets
-            owned = owned & (local_t >= col_offset) & (local_t < col_offset + w.shape[0])
-            local_t = (local_t - col_offset).clamp(0, max(w.shape[0] - 1, 0))
+    if not _fused(h, w):  # the reference takes block-relative targets
+        owned = owned & (local_t >= col_offset) & (local_t < col_offset + w.shape[0])
+        local_t = (local_t - col_offset).clamp(0, max(w.shape[0] - 1, 0))
         return stats.grad_logits(F.linear(h, w, b), local_t, owned, shift, coefs, spec)
     b = _check_bias(b, w)
     L = _Launch(h, w, config or DEFAULT_CONFIGS["grad"])

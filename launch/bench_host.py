@@ -1,0 +1,50 @@
+"""Host time of one lm_head + loss call: forward+backward of tiny CUDA inputs (64 tokens, V=4096,
+bf16), so the GPU work is nil and the time is what the CPU spends launching it. A call whose host
+time exceeds its GPU time leaves the GPU idle (docs/benchmarks.md, run 5).
+
+    python launch/bench_host.py          # on a CUDA machine
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import vparallel_ce  # noqa: E402
+
+
+def main(steps: int = 50) -> None:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h = torch.randn(64, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+    w = (torch.randn(4096, 64, generator=g) / 8).to("cuda", torch.bfloat16).requires_grad_()
+    t = torch.randint(0, 4096, (64,), generator=g).to("cuda")
+    compiled = torch.compile(lambda a, b, c: F.cross_entropy((a @ b.t()).float(), c))
+    cases = {
+        "plain": lambda: F.cross_entropy((h @ w.t()).float(), t),
+        "compile": lambda: compiled(h, w, t),
+        "ours chunks=1": lambda: vparallel_ce.linear_cross_entropy(h, w, t, chunks=1),
+        "ours chunks=1 check=False": lambda: vparallel_ce.linear_cross_entropy(h, w, t, chunks=1, check=False),
+        "ours vocab x16": lambda: vparallel_ce.linear_cross_entropy(h, w, t, chunks=16, schedule="vocab"),
+    }
+    for name, loss in cases.items():
+        def step():
+            h.grad = w.grad = None
+            loss().backward()
+
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        print(f"host {name}: {(time.perf_counter() - start) / steps * 1e3:.3f} ms per fwd+bwd", flush=True)
+
+
+if __name__ == "__main__":
+    main()
