@@ -271,12 +271,18 @@ class Schedule:
         ``(t_c, local_t, owned, valid)`` of each chunk from an earlier walk (the forward's, for the
         backward: no second gather and no small kernels to launch again)."""
         lay, spec = call.layout, call.spec
+        # one shard and targets range-checked at the front door: every valid target is owned here
+        whole = call.check and not lay.sharded
         for c in range(len(rows)):
             h_c = rows.gather(c, h)
             if targets:
                 yield (c, h_c, *targets[c])
                 continue
             t_c = rows.gather(c, t, fill=spec.ignore_index)
+            if whole:  # two kernels instead of six: this runs on every call
+                valid = t_c != spec.ignore_index
+                yield (c, h_c, t_c, t_c.clamp(0, max(lay.local_size - 1, 0)), valid, valid)
+                continue
             yield (c, h_c, t_c, *local_targets(t_c, lay.offset, lay.local_size, spec.ignore_index))
 
     @staticmethod
@@ -377,8 +383,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grads is not None:  # only [N, H] / [V_loc, H] gradients are kept, no logits
                 ctx.save_for_backward(*grads.finish(rows))
             else:
-                ctx.save_for_backward(h, w, b, t, torch.cat(shift, dim=1), n_valid)
-            return reduce(torch.cat(per_token), n_valid, call.reduction)
+                ctx.save_for_backward(h, w, b, t, _cat(shift, dim=1), n_valid)
+            return reduce(_cat(per_token), n_valid, call.reduction)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -417,6 +423,11 @@ def _keep(rows: Rows, c: int, per_token: torch.Tensor, reduction: str) -> torch.
     all gathered tokens (with sequence parallelism the loss is over the whole group's tokens;
     padding rows are ignored tokens with loss 0)."""
     return rows.own(c, per_token) if reduction == "none" else per_token
+
+
+def _cat(parts: list, dim: int = 0) -> torch.Tensor:
+    """``torch.cat`` without the copy kernel for one part (one chunk: the common case)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def _valid_count(t: torch.Tensor, call: Call) -> torch.Tensor:
