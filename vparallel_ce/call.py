@@ -58,6 +58,12 @@ class Call:
     counts: tuple[int, ...] = ()
     matmul_dtype: torch.dtype | None = None
 
+    @property
+    def all_owned(self) -> bool:
+        """One shard holds the whole vocab and the targets were range-checked at the front door:
+        every valid target is owned by this rank."""
+        return self.check and not self.layout.sharded
+
 
 @dataclass(frozen=True)
 class LogitsInputs:

@@ -73,7 +73,8 @@ def logits_statistics(x: torch.Tensor, target: torch.Tensor, call: Call) -> tupl
     the global per-token statistics of all ``N`` tokens and the valid mask."""
     lay, spec = call.layout, call.spec
     ops = kernels.ops_for(x)
-    local_t, owned, valid = local_targets(target, lay.offset, lay.local_size, spec.ignore_index)
+    local_t, owned, valid = local_targets(target, lay.offset, lay.local_size, spec.ignore_index,
+                                          all_owned=call.all_owned)
     parts = [combine(ops.local_stats(x[sl], local_t[sl], owned[sl], spec), lay)
              for sl in token_slices(x.shape[0], call.plan.chunks)]
     st = TokenStats(*(None if f[0] is None else torch.cat(f) for f in zip(*parts)))
@@ -86,7 +87,8 @@ def logits_gradient(x: torch.Tensor, target: torch.Tensor, shift: torch.Tensor, 
     coefficients ``coefs`` of all ``N`` tokens, in the logits' dtype. Local, no collective."""
     lay, spec = call.layout, call.spec
     ops = kernels.ops_for(x)
-    local_t, owned, _ = local_targets(target, lay.offset, lay.local_size, spec.ignore_index)
+    local_t, owned, _ = local_targets(target, lay.offset, lay.local_size, spec.ignore_index,
+                                      all_owned=call.all_owned)
     dx = torch.empty_like(x)
     for sl in token_slices(x.shape[0], call.plan.chunks):
         part = GradCoefs(*(None if k is None else k[sl] for k in coefs))

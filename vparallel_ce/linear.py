@@ -271,19 +271,14 @@ class Schedule:
         ``(t_c, local_t, owned, valid)`` of each chunk from an earlier walk (the forward's, for the
         backward: no second gather and no small kernels to launch again)."""
         lay, spec = call.layout, call.spec
-        # one shard and targets range-checked at the front door: every valid target is owned here
-        whole = call.check and not lay.sharded
         for c in range(len(rows)):
             h_c = rows.gather(c, h)
             if targets:
                 yield (c, h_c, *targets[c])
                 continue
             t_c = rows.gather(c, t, fill=spec.ignore_index)
-            if whole:  # two kernels instead of six: this runs on every call
-                valid = t_c != spec.ignore_index
-                yield (c, h_c, t_c, t_c.clamp(0, max(lay.local_size - 1, 0)), valid, valid)
-                continue
-            yield (c, h_c, t_c, *local_targets(t_c, lay.offset, lay.local_size, spec.ignore_index))
+            yield (c, h_c, t_c, *local_targets(t_c, lay.offset, lay.local_size, spec.ignore_index,
+                                               all_owned=call.all_owned))
 
     @staticmethod
     def fused(ops, call: Call, h_c, w) -> bool:

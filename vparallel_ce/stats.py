@@ -116,9 +116,14 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def local_targets(target: torch.Tensor, offset: int, local_size: int, ignore_index: int):
-    """Map global ids to this shard: ``(local index clamped into range, owned mask, valid mask)``."""
+def local_targets(target: torch.Tensor, offset: int, local_size: int, ignore_index: int, *,
+                  all_owned: bool = False):
+    """Map global ids to this shard: ``(local index clamped into range, owned mask, valid mask)``.
+    ``all_owned``: the shard is the whole vocab and the ids were range-checked, so every valid id
+    is owned here (two kernels instead of six: this runs on every call)."""
     valid = target != ignore_index
+    if all_owned:
+        return target.clamp(0, max(local_size - 1, 0)), valid, valid
     local = target - offset if offset else target
     owned = valid & (local >= 0) & (local < local_size)
     return local.clamp(0, max(local_size - 1, 0)), owned, valid
