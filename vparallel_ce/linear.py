@@ -42,7 +42,8 @@ from . import comm, kernels, policy as _policy
 from .call import Call, linear_call
 from .layout import aligned_parts, vocab_blocks
 from .stats import (
-    combine, compute_dtype, local_targets, loss_grad_coefs, merge, reduce, token_grad_scale, token_loss, token_slices,
+    block_targets, combine, compute_dtype, local_targets, loss_grad_coefs, merge, reduce, token_grad_scale, token_loss,
+    token_slices,
 )
 
 __all__ = ["linear_cross_entropy", "Schedule", "Rows", "Grads", "matmul_inputs", "take_kept"]
@@ -182,8 +183,7 @@ def _in_block(local_t: torch.Tensor, owned: torch.Tensor, blk: slice, width: int
     block, owned by the block)."""
     if blk.start == 0 and blk.stop >= width:  # the whole shard: nothing to launch
         return local_t, owned
-    in_blk = owned & (local_t >= blk.start) & (local_t < blk.stop)
-    return (local_t - blk.start).clamp(0, max(blk.stop - blk.start - 1, 0)), in_blk
+    return block_targets(local_t, owned, blk.start, blk.stop)
 
 
 class Grads:

@@ -59,8 +59,8 @@ import torch
 
 from . import comm
 
-__all__ = ["LossSpec", "ChunkStats", "TokenStats", "GradCoefs", "local_stats", "merge", "combine", "token_loss",
-           "loss_grad_coefs", "logprob_grad_coefs", "grad_logits"]
+__all__ = ["LossSpec", "ChunkStats", "TokenStats", "GradCoefs", "local_targets", "block_targets", "local_stats", "merge",
+           "combine", "token_loss", "loss_grad_coefs", "logprob_grad_coefs", "grad_logits"]
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,13 @@ def local_targets(target: torch.Tensor, offset: int, local_size: int, ignore_ind
     local = target - offset if offset else target
     owned = valid & (local >= 0) & (local < local_size)
     return local.clamp(0, max(local_size - 1, 0)), owned, valid
+
+
+def block_targets(local_target: torch.Tensor, owned: torch.Tensor, start: int, stop: int):
+    """Shard-relative targets -> relative to the vocab block ``[start, stop)`` of the shard:
+    ``(index clamped into the block, owned by the block)``."""
+    in_block = owned & (local_target >= start) & (local_target < stop)
+    return (local_target - start).clamp(0, max(stop - start - 1, 0)), in_block
 
 
 def _transform(x: torch.Tensor, spec: LossSpec) -> torch.Tensor:

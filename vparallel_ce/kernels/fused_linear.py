@@ -464,8 +464,7 @@ def linear_grad_logits(h, w, b, local_t, owned, shift, coefs, spec, *, col_offse
     ``local_t``/``owned`` are relative to the shard (a target outside the block is no hit): a
     schedule walking vocab blocks passes its chunk's targets unchanged."""
     if not _fused(h, w):  # the reference takes block-relative targets
-        owned = owned & (local_t >= col_offset) & (local_t < col_offset + w.shape[0])
-        local_t = (local_t - col_offset).clamp(0, max(w.shape[0] - 1, 0))
+        local_t, owned = stats.block_targets(local_t, owned, col_offset, col_offset + w.shape[0])
         return stats.grad_logits(F.linear(h, w, b), local_t, owned, shift, coefs, spec)
     b = _check_bias(b, w)
     L = _Launch(h, w, config or DEFAULT_CONFIGS["grad"])
