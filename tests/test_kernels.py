@@ -196,3 +196,36 @@ def test_linear_cross_entropy_triton_vs_torch(monkeypatch, schedule, recompute, 
         err_b = float((got_b.double() - truth).norm() / truth.norm())
         floor = 1e-3 if name == "loss" else 1e-2  # bf16 rounding of the logits / gradients
         assert err_a < floor and err_b < floor and err_a <= 1.5 * err_b + 1e-6, (name, err_a, err_b)
+
+
+_SPAN_CHECKS = textwrap.dedent(
+    """
+    import os
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    import torch
+    from vparallel_ce.kernels.targets import target_span
+    g = torch.Generator().manual_seed(0)
+    for n, ignore in [(1, -100), (7, -100), (2048, -100), (2049, 5), (5000, -1), (4097, 0)]:
+        t = torch.randint(0, 50, (n,), generator=g)
+        t[torch.rand(n, generator=g) < 0.3] = ignore
+        for bad in (None, -7, 50, 1 << 40):
+            u = t.clone()
+            if bad is not None:
+                u[n // 2] = bad
+            valid = u[u != ignore]
+            want = [min(0, int(valid.min())) if valid.numel() else 0, max(0, int(valid.max())) if valid.numel() else 0]
+            got = target_span(u, ignore).tolist()
+            assert got == want, (n, ignore, bad, got, want)
+            assert target_span(u.to(torch.int32) if bad != 1 << 40 else u, ignore).tolist() == want, (n, bad, "int32")
+    print("SPAN_CHECKS_OK")
+    """
+)
+
+
+def test_target_span_kernel_in_interpreter():
+    # the front door's one-launch range check: [min(0, lowest valid id), max(0, highest)] for
+    # ignored ids anywhere, one and several 2048-wide tiles, int64 and int32 targets
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", _SPAN_CHECKS], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0 and "SPAN_CHECKS_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

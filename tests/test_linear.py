@@ -330,19 +330,78 @@ def test_per_token_losses_keep_the_one_chunk_of_logits_and_a_second_backward_rec
         assert rel_err(got[0], expect[0]) < 1e-12 and rel_err(got[1], expect[1]) < 1e-12
 
 
-def test_a_bad_target_raises_at_the_front_door_before_any_matmul():
-    # the range check rides on the call's one metadata exchange (one host sync, before any kernel):
-    # no sync between the forward's kernels and the backward's
+def _bad_target_rank(rank, world):
     hidden, weight, _, target = make_case(17, tokens=(4, 16), vocab=64)
-    bad = target.clone()
-    bad[2, 3] = 64
+    target[2, 3] = 64  # replicated over the group, as the op requires
     errors = []
 
     def call():
         try:
-            vparallel_ce.linear_cross_entropy(hidden, weight, bad, chunks=2)
+            vparallel_ce.linear_cross_entropy(hidden, shard(weight, world, rank, 0), target, chunks=2,
+                                              group=torch.distributed.group.WORLD)
         except ValueError as exc:
             errors.append(str(exc))
 
-    assert count_matmuls(call) == 0
-    assert len(errors) == 1 and "outside [0, 64)" in errors[0] and "e.g. 64" in errors[0], errors
+    return count_matmuls(call), errors
+
+
+def test_on_a_group_a_bad_target_raises_on_every_rank_before_any_matmul():
+    # the range check rides on the call's one metadata exchange: no kernel of the op runs
+    for rank, (matmuls, errors) in enumerate(run_ranks(_bad_target_rank, 2)):
+        assert matmuls == 0, rank
+        assert len(errors) == 1 and "outside [0, 64)" in errors[0] and "e.g. 64" in errors[0], (rank, errors)
+
+
+@pytest.mark.parametrize("chunks,schedule", [(1, "token"), (2, "token"), (2, "vocab")])
+def test_at_world_1_a_bad_target_raises_once_the_first_matmul_is_queued_and_before_a_value(chunks, schedule):
+    # no exchange to ride on: the span's host read-back waits until the forward has queued its
+    # matmuls (a read at the front door would first drain the GPU queue -- in a training step, the
+    # model's whole forward), and the error still comes before the op returns anything
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vparallel_ce.validate import DeferredTargetCheck
+
+    hidden, weight, _, target = make_case(17, tokens=(4, 16), vocab=64)
+    target[2, 3] = 64
+    events, settle = [], DeferredTargetCheck.settle
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("mm", "addmm"):
+                events.append("matmul")
+            return func(*args, **(kwargs or {}))
+
+    def logged_settle(self):
+        events.append("settle")
+        return settle(self)
+
+    DeferredTargetCheck.settle = logged_settle
+    try:
+        with Log(), pytest.raises(ValueError, match=r"outside \[0, 64\).*e\.g\. 64") as raised:
+            out = vparallel_ce.linear_cross_entropy(hidden, weight, target, chunks=chunks, schedule=schedule)
+            events.append(f"returned {out}")
+    finally:
+        DeferredTargetCheck.settle = settle
+    assert isinstance(raised.value, vparallel_ce.InvalidInputError)
+    assert events and events[0] == "matmul" and events[-1] == "settle", events
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy", "token_logprobs", "linear_token_logprobs"])
+def test_on_cuda_the_deferred_target_check_raises_for_every_op_and_passes_good_targets(op):
+    # the CUDA path of the world-1 check: span copied to pinned memory behind the queued kernels
+    hidden, weight, _, target = make_case(5, tokens=(4, 16), vocab=64)
+    h, w = hidden.float().cuda(), weight.float().cuda()
+    fn = {
+        "cross_entropy": lambda t: vparallel_ce.cross_entropy(h @ w.T, t),
+        "linear_cross_entropy": lambda t: vparallel_ce.linear_cross_entropy(h, w, t),
+        "token_logprobs": lambda t: vparallel_ce.token_logprobs(h @ w.T, t),
+        "linear_token_logprobs": lambda t: vparallel_ce.linear_token_logprobs(h, w, t),
+    }[op]
+    good = target.cuda()
+    assert torch.isfinite(fn(good)).all()
+    for bad_id in (64, -3):
+        bad = good.clone()
+        bad[1, 2] = bad_id
+        with pytest.raises(vparallel_ce.InvalidInputError, match=rf"outside \[0, 64\).*e\.g\. {bad_id}"):
+            fn(bad)

@@ -10,7 +10,8 @@ Megatron drop-in and the pipeline adapter -- go through the same steps, once per
    enclosing ``torch.autocast`` state;
 4. one metadata exchange over the group (:func:`vparallel_ce.validate.agree`): a bad input on any
    rank raises on every rank, the ranks agree on tokens and options, the shard sizes give the
-   :class:`~vparallel_ce.layout.VocabLayout`;
+   :class:`~vparallel_ce.layout.VocabLayout` (at world 1 the target range check is deferred to
+   the op's forward, :meth:`Call.settle`);
 5. the plan (:meth:`vparallel_ce.policy.ChunkPolicy.plan`) from the call's own knobs.
 
 The autograd Functions then read everything from the ``Call``; nothing after this module looks at
@@ -20,7 +21,7 @@ user arguments again.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,7 +29,7 @@ from . import comm, kernels, policy as _policy
 from .layout import VocabLayout
 from .policy import Plan
 from .stats import LossSpec
-from .validate import agree, check_linear, check_logits, check_options, SCHEDULES
+from .validate import agree, check_linear, check_logits, check_options, DeferredTargetCheck, SCHEDULES
 
 __all__ = ["Call", "LogitsInputs", "LinearInputs", "logits_call", "linear_call", "autocast_dtype", "is_dtensor", "local"]
 
@@ -47,6 +48,8 @@ class Call:
         counts: the token count of every rank (sequence parallel) or of this rank.
         matmul_dtype: the dtype of the lm_head matmuls (the autocast dtype inside ``torch.autocast``,
             else the inputs' own); statistics and gradient sums are fp32 whatever it is.
+        pending: the world-1 target check, settled by the op's forward once its kernels are queued
+            (:meth:`settle`); None on a group, where the exchange checked the targets.
     """
 
     layout: VocabLayout
@@ -57,6 +60,13 @@ class Call:
     sequence_parallel: bool = False
     counts: tuple[int, ...] = ()
     matmul_dtype: torch.dtype | None = None
+    pending: DeferredTargetCheck | None = field(default=None, compare=False, repr=False)
+
+    def settle(self) -> None:
+        """Raise the deferred target check's error, if any. Every op's forward calls this after
+        queueing its kernels and before returning."""
+        if self.pending is not None:
+            self.pending.settle()
 
     @property
     def all_owned(self) -> bool:
@@ -91,11 +101,11 @@ def logits_call(logits, target, *, group, vocab_size, reduction, chunks, check, 
     problem = check_options(reduction=reduction, chunks=chunks, **loss_options) or check_logits(logits, target)
     facts = {"token count": lambda: target.numel(), "chunks option": lambda: _chunk_code(chunks),
              "target checksum": lambda: target.sum(), "loss options": lambda: _options_code(loss_options)}
-    lay = agree(problem, group, local_size=lambda: logits.shape[-1], facts=facts, device=_device(logits),
-                vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options))
+    lay, pending = agree(problem, group, local_size=lambda: logits.shape[-1], facts=facts, device=_device(logits),
+                         vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options))
     n = target.numel()
     plan = (policy or _policy.DEFAULT_POLICY).plan(n, lay.vocab_size, lay.world, reduction=reduction, chunks=chunks)
-    call = Call(lay, _spec(lay, loss_options, entropy), reduction, plan, bool(check), counts=(n,))
+    call = Call(lay, _spec(lay, loss_options, entropy), reduction, plan, bool(check), counts=(n,), pending=pending)
     return call, LogitsInputs(logits.reshape(n, lay.local_size), target.reshape(-1), target.shape)
 
 
@@ -128,8 +138,8 @@ def linear_call(hidden, weight, target, bias, *, group, sequence_parallel, vocab
     if not sp:  # with sequence parallelism every rank holds other tokens
         facts["token count"] = lambda: target.numel()
         facts["target checksum"] = lambda: target.sum()
-    lay = agree(problem, group, local_size=lambda: weight.shape[0], facts=facts, device=_device(weight),
-                vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options))
+    lay, pending = agree(problem, group, local_size=lambda: weight.shape[0], facts=facts, device=_device(weight),
+                         vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options))
     n = target.numel()
     sp = sp and lay.sharded
     counts = tuple(row[0] for row in comm.all_gather_ints([n], lay.group, weight.device)) if sp else (n,)
@@ -137,7 +147,7 @@ def linear_call(hidden, weight, target, bias, *, group, sequence_parallel, vocab
         sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1], reduction=reduction, chunks=chunks,
         schedule=schedule, recompute=recompute, fused=fused())
     call = Call(lay, _spec(lay, loss_options, entropy), reduction, plan, bool(check), sp, counts,
-                _matmul_dtype(weight, amp))
+                _matmul_dtype(weight, amp), pending)
     inputs = LinearInputs(hidden.reshape(n, weight.shape[-1]), weight, bias, target.reshape(-1), target.shape)
     return call, inputs
 

@@ -16,7 +16,7 @@ import torch
 from . import kernels
 from .call import Call, logits_call
 from .stats import (
-    GradCoefs, TokenStats, combine, local_targets, loss_grad_coefs, reduce, token_grad_scale, token_loss, token_slices,
+    GradCoefs, TokenStats, combine, local_targets, reduce, scale_coefs, token_loss, token_slices, unit_loss_coefs,
 )
 
 __all__ = ["cross_entropy", "logits_statistics", "logits_gradient"]
@@ -105,16 +105,17 @@ class _CrossEntropy(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             st, valid = logits_statistics(x, target, call)
             n_valid = valid.sum()
-            ctx.save_for_backward(x, target, st.max, st.log_s, n_valid)
-            ctx.call = call
-            return reduce(token_loss(st, valid, call.spec), n_valid, call.reduction)
+            coefs = unit_loss_coefs(st, valid, n_valid, call.reduction, call.spec)
+            ctx.save_for_backward(x, target)
+            ctx.call, ctx.shift, ctx.coefs = call, st.max, coefs  # per-token vectors
+            loss = reduce(token_loss(st, valid, call.spec), n_valid, call.reduction)
+            call.settle()
+            return loss
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, target, m, log_s, n_valid = ctx.saved_tensors
-        call = ctx.call
+        x, target = ctx.saved_tensors
         with torch.autocast(x.device.type, enabled=False):
-            valid = target != call.spec.ignore_index
-            gscale = token_grad_scale(grad_out, valid, n_valid, call.reduction, m.dtype)
-            dx = logits_gradient(x, target, m, loss_grad_coefs(m, log_s, gscale, call.spec), call)
+            g = grad_out.reshape(-1) if ctx.call.reduction == "none" else grad_out
+            dx = logits_gradient(x, target, ctx.shift, scale_coefs(ctx.coefs, g), ctx.call)
         return dx, None, None

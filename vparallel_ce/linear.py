@@ -42,11 +42,11 @@ from . import comm, kernels, policy as _policy
 from .call import Call, linear_call
 from .layout import aligned_parts, vocab_blocks
 from .stats import (
-    block_targets, combine, compute_dtype, local_targets, loss_grad_coefs, merge, reduce, token_grad_scale, token_loss,
-    token_slices,
+    block_targets, combine, compute_dtype, local_targets, merge, reduce, scale_coefs, token_loss, token_slices,
+    unit_loss_coefs,
 )
 
-__all__ = ["linear_cross_entropy", "Schedule", "Rows", "Grads", "matmul_inputs", "take_kept"]
+__all__ = ["linear_cross_entropy", "Schedule", "Rows", "ChunkTargets", "Grads", "matmul_inputs", "take_kept"]
 
 
 def linear_cross_entropy(
@@ -130,7 +130,7 @@ class Rows:
 
     def gather(self, c: int, x: torch.Tensor, fill=0) -> torch.Tensor:
         """Rows of chunk ``c`` of ``x`` (hidden, target or a per-token vector) over the group."""
-        part = x[self.local[c]]
+        part = _part(x, self.local[c])
         if not self.call.sequence_parallel:
             return part
         pad = self.height[c] - part.shape[0]
@@ -186,6 +186,23 @@ def _in_block(local_t: torch.Tensor, owned: torch.Tensor, blk: slice, width: int
     return block_targets(local_t, owned, blk.start, blk.stop)
 
 
+class ChunkTargets:
+    """A chunk's targets mapped to this shard, ``(local_t, owned, valid)``
+    (:func:`~vparallel_ce.stats.local_targets`), made on the first call: a forward asks for them
+    once the chunk's first GEMM is queued, so the host launches their small kernels while the GPU
+    runs it rather than before. ``known``: the forward's, reused by the backward."""
+
+    def __init__(self, call: Call, t_c: torch.Tensor, known: tuple | None = None):
+        self.call, self.t_c, self.known = call, t_c, known
+
+    def __call__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.known is None:
+            lay, spec = self.call.layout, self.call.spec
+            self.known = local_targets(self.t_c, lay.offset, lay.local_size, spec.ignore_index,
+                                       all_owned=self.call.all_owned)
+        return self.known
+
+
 class Grads:
     """Gradient buffers of one call, in the dtypes of the inputs ``h, w, b`` they are returned for.
 
@@ -216,13 +233,13 @@ class Grads:
             return None
         if rows.call.sequence_parallel:
             return torch.zeros(h_c.shape, dtype=self.dh.dtype, device=h_c.device)
-        return self.dh[rows.local[c]]
+        return _part(self.dh, rows.local[c])
 
     def add_block(self, blk: slice, dx: torch.Tensor, h_c: torch.Tensor, w_blk: torch.Tensor, dh_rows) -> None:
         if dh_rows is not None:
             _mm_into(dh_rows, dx, w_blk, accumulate=not self.dh_direct)
         if self.dw is not None:
-            _mm_into(self.dw[blk], dx.t(), h_c, accumulate=self.dw_accumulate)
+            _mm_into(_part(self.dw, blk), dx.t(), h_c, accumulate=self.dw_accumulate)
         if self.db is not None:
             self.db[blk] += dx.to(self.db.dtype).sum(0)
 
@@ -234,7 +251,8 @@ class Grads:
         """Sum the replicated hidden's partial ``dh`` over the group; the gradients in the inputs' dtypes."""
         if self.dh is not None and not rows.call.sequence_parallel:
             comm.all_reduce_sum_(self.dh, rows.call.layout.group)
-        return tuple(None if g is None else g.to(dt) for g, dt in zip((self.dh, self.dw, self.db), self.dtypes))
+        return tuple(g if g is None or g.dtype == dt else g.to(dt)
+                     for g, dt in zip((self.dh, self.dw, self.db), self.dtypes))
 
 
 @dataclass(frozen=True)
@@ -266,19 +284,19 @@ class Schedule:
 
     @staticmethod
     def walk(call: Call, rows: Rows, h: torch.Tensor, t: torch.Tensor, targets: list | None = None):
-        """The row chunks: yields ``(c, h_c, t_c, local_t, owned, valid)`` with ``h_c``/``t_c``
-        chunk ``c``'s rows (gathered over the group with sequence parallelism). ``targets``: the
+        """The row chunks: yields ``(c, h_c, t_c, targets_c)`` with ``h_c``/``t_c`` chunk ``c``'s
+        rows (gathered over the group with sequence parallelism) and ``targets_c()`` their
+        :func:`~vparallel_ce.stats.local_targets` ``(local_t, owned, valid)``. ``targets``: the
         ``(t_c, local_t, owned, valid)`` of each chunk from an earlier walk (the forward's, for the
         backward: no second gather and no small kernels to launch again)."""
-        lay, spec = call.layout, call.spec
         for c in range(len(rows)):
             h_c = rows.gather(c, h)
             if targets:
-                yield (c, h_c, *targets[c])
+                t_c, *known = targets[c]
+                yield c, h_c, t_c, ChunkTargets(call, t_c, tuple(known))
                 continue
-            t_c = rows.gather(c, t, fill=spec.ignore_index)
-            yield (c, h_c, t_c, *local_targets(t_c, lay.offset, lay.local_size, spec.ignore_index,
-                                               all_owned=call.all_owned))
+            t_c = rows.gather(c, t, fill=call.spec.ignore_index)
+            yield c, h_c, t_c, ChunkTargets(call, t_c)
 
     @staticmethod
     def fused(ops, call: Call, h_c, w) -> bool:
@@ -288,16 +306,19 @@ class Schedule:
         covers = getattr(ops, "fused_covers", None)
         return covers is not None and covers(h_c, w, call.spec)
 
-    def statistics(self, call: Call, ops, h_c, w, b, local_t, owned):
+    def statistics(self, call: Call, ops, h_c, w, b, targets: "ChunkTargets"):
         """Global statistics of chunk ``c``'s rows ``h_c``: local statistics block by block, merged,
         one exchange. Returns them and the kept blocks' logits (empty unless ``keep_logits``).
         Fused, the whole shard is one GEMM whose epilogue makes the statistics (no logits, so no
-        blocks: its memory is per-(256-column tile, row) partials)."""
+        blocks: its memory is per-(256-column tile, row) partials). Unfused, the first block's GEMM
+        is queued before the targets' small kernels, whose launches then overlap it."""
         if not self.keep_logits and self.fused(ops, call, h_c, w):
+            local_t, owned, _ = targets()
             return combine(ops.linear_stats(h_c, w, b, local_t, owned, call.spec), call.layout), []
         acc, kept = None, []
         for blk in self.blocks:
-            x = F.linear(h_c, w[blk], None if b is None else b[blk])
+            x = F.linear(h_c, _part(w, blk), None if b is None else _part(b, blk))
+            local_t, owned, _ = targets()
             idx, in_blk = _in_block(local_t, owned, blk, call.layout.local_size)
             st = ops.local_stats(x, idx, in_blk, call.spec)
             acc = st if acc is None else merge(acc, st)
@@ -320,18 +341,18 @@ class Schedule:
         for i, blk in enumerate(self.blocks):
             if blk.stop == blk.start:
                 continue
-            b_blk = None if b is None else b[blk]
+            w_blk, b_blk = _part(w, blk), None if b is None else _part(b, blk)
             if fused:  # the recomputed logits only ever exist as tiles in the GEMM's registers
-                dx = ops.linear_grad_logits(h_c, w[blk], b_blk, local_t, owned, shift, coefs, call.spec,
+                dx = ops.linear_grad_logits(h_c, w_blk, b_blk, local_t, owned, shift, coefs, call.spec,
                                             col_offset=blk.start)
             else:
                 idx, in_blk = _in_block(local_t, owned, blk, call.layout.local_size)
-                x = kept[i] if kept else F.linear(h_c, w[blk], b_blk)
+                x = kept[i] if kept else F.linear(h_c, w_blk, b_blk)
                 if kept:
                     kept[i] = None  # its memory is reused by the gradient, then freed
                 dx = _grad_in_place(ops, x, idx, in_blk, shift, coefs, call.spec)
                 del x
-            grads.add_block(blk, dx, h_c, w[blk], dh_rows)
+            grads.add_block(blk, dx, h_c, w_blk, dh_rows)
             del dx  # free this block before the next one's is allocated
         grads.end_chunk(rows, c, dh_rows)
 
@@ -339,12 +360,18 @@ class Schedule:
 def matmul_inputs(call: Call, h, w, b):
     """The inputs cast to the matmul dtype (a no-op outside autocast)."""
     md = call.matmul_dtype
-    return h.to(md), w.to(md), None if b is None else b.to(md)
+
+    def cast(x):  # a no-op cast still costs a dispatch: this runs twice per call
+        return x if x is None or x.dtype == md else x.to(md)
+
+    return cast(h), cast(w), cast(b)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """Thin autograd wrapper: forward and backward walk the same :class:`Schedule`. Autocast is off
-    inside; the matmul dtype comes from the :class:`Call`."""
+    inside; the matmul dtype comes from the :class:`Call`. The forward makes each chunk's gradient
+    coefficients for an upstream gradient of 1 (:func:`~vparallel_ce.stats.unit_loss_coefs`); the
+    backward scales them, or, with the gradients made in forward, the gradients."""
 
     @staticmethod
     def forward(ctx, h, w, b, t, call: Call):
@@ -357,29 +384,36 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ops = kernels.ops_for(wm)
             sched = Schedule.of(call, keep_logits=grads_now or keep)
             rows = sched.rows(call)
-            n_valid = _valid_count(t, call)
             cdt = compute_dtype(wm.dtype)
             grads = Grads(h, w, b, need, acc_dtype=cdt, rows=rows, schedule=sched) if grads_now else None
-            if grads is not None:
-                gscale_of = _gscale_fn(torch.ones((), dtype=cdt, device=w.device), n_valid, call)
-            shift, per_token, ctx.kept, ctx.targets = [], [], [], []
-            for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
-                if grads is None:
-                    ctx.targets.append((t_c, local_t, owned, valid))
-                st, kept = sched.statistics(call, ops, h_c, wm, bm, local_t, owned)
-                if keep:
-                    ctx.kept.append(kept)
-                shift.append(torch.stack([st.max, st.log_s]))
+            n_valid, per_token = None, []
+            ctx.kept, ctx.targets, ctx.shift, ctx.coefs = [], [], [], []
+            for c, h_c, t_c, targets in sched.walk(call, rows, hm, t):
+                st, kept = sched.statistics(call, ops, h_c, wm, bm, targets)
+                local_t, owned, valid = targets()
+                if n_valid is None:  # launched after the first GEMM too (mean's scale needs it from chunk 0)
+                    whole = len(rows) == 1 and not call.sequence_parallel  # the chunk's mask is all of t's
+                    n_valid = _valid_count(t, call, valid if whole else None)
+                coefs = unit_loss_coefs(st, valid, n_valid, call.reduction, spec)
                 per_token.append(_keep(rows, c, token_loss(st, valid, spec), call.reduction))
                 if grads is not None:
-                    coefs = loss_grad_coefs(st.max, st.log_s, gscale_of(rows, c, valid), spec)
                     sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, st.max, coefs, kept, grads)
+                else:
+                    ctx.targets.append((t_c, local_t, owned, valid))
+                    ctx.shift.append(st.max)
+                    ctx.coefs.append(coefs)
+                    if keep:
+                        ctx.kept.append(kept)
+            if n_valid is None:
+                n_valid = _valid_count(t, call)
             ctx.call, ctx.need, ctx.grads_now = call, need, grads is not None
             if grads is not None:  # only [N, H] / [V_loc, H] gradients are kept, no logits
                 ctx.save_for_backward(*grads.finish(rows))
             else:
-                ctx.save_for_backward(h, w, b, t, _cat(shift, dim=1), n_valid)
-            return reduce(_cat(per_token), n_valid, call.reduction)
+                ctx.save_for_backward(h, w, b, t)
+            loss = reduce(_cat(per_token), n_valid, call.reduction)
+            call.settle()
+            return loss
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -387,21 +421,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if ctx.grads_now:  # made in forward for grad_out == 1: scale by the scalar
             grads = tuple(None if g is None else g * grad_out.to(g.dtype) for g in ctx.saved_tensors)
             return grads + (None, None)
-        h, w, b, t, shift, n_valid = ctx.saved_tensors
+        h, w, b, t = ctx.saved_tensors
         with torch.autocast(h.device.type, enabled=False):
             hm, wm, bm = matmul_inputs(call, h, w, b)
             ops = kernels.ops_for(wm)
             sched = Schedule.of(call, keep_logits=False)
             rows = sched.rows(call)
             grads = Grads(h, w, b, ctx.need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)
-            gscale_of = _gscale_fn(grad_out, n_valid, call)
             kept_chunks = take_kept(ctx)
-            at = 0
-            for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t, ctx.targets):
-                (m_c, log_s_c), at = shift[:, at : at + t_c.shape[0]], at + t_c.shape[0]
-                coefs = loss_grad_coefs(m_c, log_s_c, gscale_of(rows, c, valid), call.spec)
-                sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, m_c, coefs,
-                                kept_chunks[c] if kept_chunks else [], grads)
+            for c, h_c, t_c, targets in sched.walk(call, rows, hm, t, ctx.targets):
+                local_t, owned, _ = targets()
+                g = rows.gather(c, grad_out.reshape(-1)) if call.reduction == "none" else grad_out
+                sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, ctx.shift[c],
+                                scale_coefs(ctx.coefs[c], g), kept_chunks[c] if kept_chunks else [], grads)
             return grads.finish(rows) + (None, None)
 
 
@@ -420,26 +452,21 @@ def _keep(rows: Rows, c: int, per_token: torch.Tensor, reduction: str) -> torch.
     return rows.own(c, per_token) if reduction == "none" else per_token
 
 
+def _part(x: torch.Tensor, sl: slice) -> torch.Tensor:
+    """``x[sl]``, or ``x`` itself when ``sl`` spans all its rows (one chunk, one block: the common
+    case), which saves a view op on the host path before the first GEMM."""
+    return x if sl.start == 0 and sl.stop >= x.shape[0] and sl.step in (None, 1) else x[sl]
+
+
 def _cat(parts: list, dim: int = 0) -> torch.Tensor:
     """``torch.cat`` without the copy kernel for one part (one chunk: the common case)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def _valid_count(t: torch.Tensor, call: Call) -> torch.Tensor:
-    n = (t != call.spec.ignore_index).sum()
+def _valid_count(t: torch.Tensor, call: Call, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Valid tokens of the call (of the group with sequence parallelism); ``valid``: the mask of
+    this rank's own tokens, if already made."""
+    n = (t != call.spec.ignore_index if valid is None else valid).sum()
     if call.sequence_parallel:  # mean over the tokens of the whole group
         comm.all_reduce_sum_(n, call.layout.group)
     return n
-
-
-def _gscale_fn(grad_out: torch.Tensor, n_valid, call: Call):
-    """``(rows, c, valid) -> g`` for the gathered rows of chunk ``c``."""
-    cdt = grad_out.dtype  # the loss' dtype: fp32, or fp64 for fp64 inputs
-
-    def gscale_of(rows: Rows, c: int, valid: torch.Tensor) -> torch.Tensor:
-        g = grad_out
-        if call.reduction == "none":
-            g = rows.gather(c, grad_out.reshape(-1))
-        return token_grad_scale(g, valid, n_valid, call.reduction, cdt)
-
-    return gscale_of

@@ -132,6 +132,7 @@ class _TokenLogprobs(torch.autograd.Function):
             ctx.save_for_backward(x, target, st.max, st.log_s, entropy)
             ctx.call = call
             ctx.set_materialize_grads(False)
+            call.settle()
             return logp, entropy
 
     @staticmethod
@@ -159,8 +160,9 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             sched = Schedule.of(call, keep_logits=keep)
             rows = sched.rows(call)
             shift, entropy, mine, ctx.kept = [], [], [], []
-            for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
-                st, kept = sched.statistics(call, ops, h_c, wm, bm, local_t, owned)
+            for c, h_c, t_c, targets in sched.walk(call, rows, hm, t):
+                st, kept = sched.statistics(call, ops, h_c, wm, bm, targets)
+                valid = targets()[2]
                 if keep:
                     ctx.kept.append(kept)
                 logp_c, entropy_c = _outputs(st, valid)
@@ -171,6 +173,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             ctx.call = call
             ctx.set_materialize_grads(False)
             logp, ent = (torch.cat(parts) for parts in zip(*mine))
+            call.settle()
             return logp, ent
 
     @staticmethod
@@ -196,7 +199,8 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             grads = Grads(h, w, b, need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)
             kept_chunks = take_kept(ctx)
             at = 0
-            for c, h_c, t_c, local_t, owned, valid in sched.walk(call, rows, hm, t):
+            for c, h_c, t_c, targets in sched.walk(call, rows, hm, t):
+                local_t, owned, valid = targets()
                 (m_c, log_s_c), ent_c = shift[:, at : at + t_c.shape[0]], entropy[at : at + t_c.shape[0]]
                 at += t_c.shape[0]
                 g_lp = None if g_logp is None else rows.gather(c, g_logp.reshape(-1))

@@ -106,7 +106,27 @@ class ChunkPolicy:
         chunks, gradients in backward); otherwise ``linear_cross_entropy`` with the call's
         ``chunks``, ``schedule`` and ``recompute`` (precedence in the module docstring). ``fused``:
         the call's recomputed logits run through the fused GEMM kernels
-        (:func:`vparallel_ce.kernels.fused_applies`: bf16/fp16 on a GPU with Triton)."""
+        (:func:`vparallel_ce.kernels.fused_applies`: bf16/fp16 on a GPU with Triton).
+
+        Memoised: the plan is a pure function of these arguments, and every call asks for it on
+        the host path before its first GEMM (a plain dict, which ``torch.compile`` traces
+        without warnings, unlike ``functools`` caches)."""
+        key = (self, num_tokens, vocab_size, tp_degree, hidden_size, reduction, chunks, schedule, recompute, fused)
+        try:
+            found = _PLANS.get(key)
+        except TypeError:  # an unhashable argument: plan it uncached (its check will name it)
+            key, found = None, None
+        if found is None:
+            found = self._plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, reduction=reduction,
+                               chunks=chunks, schedule=schedule, recompute=recompute, fused=fused)
+            if key is not None:
+                if len(_PLANS) >= 1024:
+                    _PLANS.clear()
+                _PLANS[key] = found
+        return found
+
+    def _plan(self, num_tokens: int, vocab_size: int, tp_degree: int, *, hidden_size: int | None, reduction: str,
+              chunks: int | str, schedule: str, recompute: bool | None, fused: bool) -> Plan:
         v_loc = local_vocab(vocab_size, tp_degree)
         why = []
         if hidden_size is None:
@@ -210,6 +230,7 @@ def local_vocab(vocab_size: int, tp_degree: int) -> int:
 
 # Default bound on one chunk's fp32 logits. See docs/policy.md for the sweep behind it.
 DEFAULT_BUDGET_BYTES = 1 * GiB
+_PLANS: dict = {}  # ChunkPolicy.plan's memo
 DEFAULT_POLICY = ChunkPolicy()
 
 

@@ -16,13 +16,14 @@ and the entropy ``H`` are what RL post-training needs (:mod:`vparallel_ce.logpro
 Forward, per chunk -- the only data that crosses ranks are a few floats per token:
 
 1. local pass (one read of the chunk): ``m_r = max_j z_j``, ``S_r = sum_j exp(z_j - m_r)``,
-   ``z_t`` if this rank owns ``t`` (else 0), ``sum_j z_j`` (with smoothing), ``owned`` in {0, 1},
-   and for the entropy ``E_r = sum_j exp(z_j - m_r) (z_j - m_r)``;
+   ``z_t`` if this rank owns ``t`` (else 0), ``sum_j z_j`` (with smoothing), and for the entropy
+   ``E_r = sum_j exp(z_j - m_r) (z_j - m_r)``;
 2. ``m = all_reduce_MAX(m_r)``;
-3. ``all_reduce_SUM([S_r e^{m_r - m}, z_t, sum z, owned, e^{m_r - m} (E_r + (m_r - m) S_r)])``
+3. ``all_reduce_SUM([S_r e^{m_r - m}, z_t, sum z, e^{m_r - m} (E_r + (m_r - m) S_r)])``
    -> ``lse = m + log S`` and ``H = log S - E / S`` (every term is relative to the max, so logits
-   of large magnitude lose nothing to cancellation). ``owned`` summed over the group is 1 for
-   every valid token (targets are range-checked at the front door, :func:`vparallel_ce.validate.agree`).
+   of large magnitude lose nothing to cancellation). Exactly one rank owns each valid target, so
+   the summed ``z_t`` is the target's logit (targets are range-checked,
+   :func:`vparallel_ce.validate.agree`).
 
 Backward, per chunk -- local only. Every op's gradient has the one form::
 
@@ -60,7 +61,8 @@ import torch
 from . import comm
 
 __all__ = ["LossSpec", "ChunkStats", "TokenStats", "GradCoefs", "local_targets", "block_targets", "local_stats", "merge",
-           "combine", "token_loss", "loss_grad_coefs", "logprob_grad_coefs", "grad_logits"]
+           "combine", "token_loss", "loss_grad_coefs", "unit_loss_coefs", "scale_coefs", "logprob_grad_coefs",
+           "grad_logits"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,6 @@ class ChunkStats(NamedTuple):
     sumexp: torch.Tensor  # S_r = sum_j exp(z_j - m_r)
     target: torch.Tensor  # z_t where this shard owns t, else 0
     sum: torch.Tensor  # sum_j z_j (zeros unless label smoothing)
-    owned: torch.Tensor  # 1 where this shard owns t, else 0
     zexp: torch.Tensor | None = None  # E_r = sum_j exp(z_j - m_r) (z_j - m_r), with spec.entropy
 
 
@@ -94,7 +95,6 @@ class TokenStats(NamedTuple):
     lse: torch.Tensor  # m + log S
     target: torch.Tensor  # z_t
     sum: torch.Tensor
-    owned: torch.Tensor
     entropy: torch.Tensor | None  # H, with spec.entropy
     max: torch.Tensor  # m, the global max: the shift of the gradient pass
     log_s: torch.Tensor  # log S = log sum_j exp(z_j - m)
@@ -152,7 +152,7 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
     if width == 0:
         neg_inf = torch.full((c,), float("-inf"), dtype=z.dtype, device=z.device)
         zeros = torch.zeros((c,), dtype=z.dtype, device=z.device)
-        return ChunkStats(neg_inf, zeros, zeros, zeros, owned.to(z.dtype), zeros if spec.entropy else None)
+        return ChunkStats(neg_inf, zeros, zeros, zeros, zeros if spec.entropy else None)
     m = z.amax(dim=-1)
     u = z - m.unsqueeze(-1)
     e = torch.exp(u)
@@ -162,7 +162,7 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
     total = z.sum(dim=-1) if spec.label_smoothing > 0 else torch.zeros_like(m)
     # a -inf logit (a masked vocab entry) has e = 0: its term is 0, not 0 * -inf
     zexp = torch.where(e > 0, e * u, torch.zeros_like(u)).sum(dim=-1) if spec.entropy else None
-    return ChunkStats(m, sumexp, tgt, total, owned.to(z.dtype), zexp)
+    return ChunkStats(m, sumexp, tgt, total, zexp)
 
 
 def _rescale(sumexp: torch.Tensor, m_from: torch.Tensor, m_to: torch.Tensor) -> torch.Tensor:
@@ -183,7 +183,7 @@ def merge(a: ChunkStats, b: ChunkStats) -> ChunkStats:
     zexp = None
     if a.zexp is not None:
         zexp = _rescale_zexp(a.zexp, a.sumexp, a.max, m) + _rescale_zexp(b.zexp, b.sumexp, b.max, m)
-    return ChunkStats(m, sumexp, a.target + b.target, a.sum + b.sum, a.owned + b.owned, zexp)
+    return ChunkStats(m, sumexp, a.target + b.target, a.sum + b.sum, zexp)
 
 
 def combine(stats: ChunkStats, layout) -> TokenStats:
@@ -191,16 +191,16 @@ def combine(stats: ChunkStats, layout) -> TokenStats:
     if not layout.sharded:  # one rank: its statistics are the global ones (no rescaling to launch)
         log_s = torch.log(stats.sumexp)
         entropy = log_s - stats.zexp / stats.sumexp if stats.zexp is not None else None
-        return TokenStats(stats.max + log_s, stats.target, stats.sum, stats.owned, entropy, stats.max, log_s)
+        return TokenStats(stats.max + log_s, stats.target, stats.sum, entropy, stats.max, log_s)
     m = comm.all_reduce_max_(stats.max.clone(), layout.group)
-    parts = [_rescale(stats.sumexp, stats.max, m), stats.target, stats.sum, stats.owned]
+    parts = [_rescale(stats.sumexp, stats.max, m), stats.target, stats.sum]
     if stats.zexp is not None:
         parts.append(_rescale_zexp(stats.zexp, stats.sumexp, stats.max, m))
     packed = comm.all_reduce_sum_(torch.stack(parts), layout.group)
-    sumexp, target, total, owned = packed[:4].unbind(0)
+    sumexp, target, total = packed[:3].unbind(0)
     log_s = torch.log(sumexp)
-    entropy = log_s - packed[4] / sumexp if stats.zexp is not None else None
-    return TokenStats(m + log_s, target, total, owned, entropy, m, log_s)
+    entropy = log_s - packed[3] / sumexp if stats.zexp is not None else None
+    return TokenStats(m + log_s, target, total, entropy, m, log_s)
 
 
 def token_loss(st: TokenStats, valid: torch.Tensor, spec: LossSpec) -> torch.Tensor:
@@ -287,12 +287,21 @@ def reduce(per_token: torch.Tensor, n_valid: torch.Tensor, reduction: str) -> to
     return total / n_valid if reduction == "mean" else total
 
 
-def token_grad_scale(grad_out: torch.Tensor, valid: torch.Tensor, n_valid, reduction: str, dtype) -> torch.Tensor:
-    """``g_i = d(output)/d(loss_i) * grad_out`` for each token (0 on ignored tokens)."""
-    v = valid.to(dtype)
-    if reduction == "none":
-        return grad_out.reshape(-1).to(dtype) * v
-    g = grad_out.to(dtype)
+def unit_loss_coefs(st: TokenStats, valid: torch.Tensor, n_valid: torch.Tensor, reduction: str,
+                    spec: LossSpec) -> GradCoefs:
+    """The loss' :class:`GradCoefs` for an upstream gradient of 1: with ``r_i = d(output)/d(loss_i)``
+    (``1 / n_valid`` for mean, 1 for sum and none; 0 on ignored tokens) they are
+    ``loss_grad_coefs(m, log S, r)``. Every coefficient is linear in the upstream gradient, so the
+    forward makes these and the backward only scales them (:func:`scale_coefs`): one small kernel
+    per coefficient between the backward's start and its gradient pass."""
+    r = valid.to(st.max.dtype)
     if reduction == "mean":
-        g = g / n_valid.clamp(min=1)  # all ignored: loss 0/0 as F.cross_entropy, gradient 0 (not nan)
-    return v * g
+        r = r / n_valid.clamp(min=1)  # all ignored: loss 0/0 as F.cross_entropy, gradient 0 (not nan)
+    return loss_grad_coefs(st.max, st.log_s, r, spec)
+
+
+def scale_coefs(coefs: GradCoefs, grad_out: torch.Tensor) -> GradCoefs:
+    """Coefficients for 1 -> for the upstream gradient ``grad_out`` (a scalar for mean/sum, the
+    chunk's per-token gradients ``[c]`` for none)."""
+    g = grad_out.to(coefs.a.dtype)
+    return GradCoefs(*(None if k is None else k * g for k in coefs))

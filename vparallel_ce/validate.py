@@ -5,7 +5,9 @@ is bad" travels through the one metadata exchange every call makes anyway (:func
 error is raised on EVERY rank -- a rank that raised alone would leave the others waiting in the
 next collective. Out-of-range targets travel through the same exchange (each rank's lowest and
 highest valid id), so the target check costs no collective and no host sync beyond that one, and
-it happens before any kernel of the op is launched.
+on a group it happens before any kernel of the op is launched. At world 1 there is no exchange to
+ride on: the span is read back without blocking (:class:`DeferredTargetCheck`) and the op raises
+once its forward's kernels are queued, before it returns anything.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import comm
+from . import comm, kernels
 from .layout import VocabLayout, shard_sizes
 from .stats import REDUCTIONS
 
-__all__ = ["Problem", "InvalidInputError", "check_options", "check_logits", "check_linear", "agree", "SCHEDULES"]
+__all__ = [
+    "Problem", "InvalidInputError", "DeferredTargetCheck", "check_options", "check_logits", "check_linear", "agree",
+    "SCHEDULES",
+]
 
 SCHEDULES = ("auto", "token", "vocab")
 
@@ -35,6 +40,41 @@ class Problem:
 
     def raise_(self):
         raise self.exc(self.message)
+
+
+class DeferredTargetCheck:
+    """The target range check of a world-1 call, without a host sync at the front door.
+
+    A host read of the ``[min, max]`` valid id (:func:`_target_span`) right away would wait for
+    every kernel queued before the loss -- in a training step, the model's whole forward -- and
+    leave the GPU idle while the host then launches the loss. Instead the span is copied behind
+    those kernels (non-blocking, into pinned memory on CUDA) and :meth:`settle` waits for that copy
+    alone, once the op's forward has queued its own kernels. Until then the kernels see ids
+    clamped into the shard (:func:`vparallel_ce.stats.local_targets`), so a bad id reads nothing out
+    of bounds, and the error still comes before the op returns a value.
+    """
+
+    def __init__(self, target: torch.Tensor, ignore_index: int, vocab_size: int):
+        span = _target_span(target, ignore_index)
+        self.vocab_size = vocab_size
+        self.event = None
+        if span.is_cuda:
+            self.span = torch.empty(2, dtype=span.dtype, pin_memory=True)
+            self.span.copy_(span, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.span = span
+        self.settled = False
+
+    def settle(self) -> None:
+        """Raise :class:`InvalidInputError` if a valid id lies outside ``[0, V)`` (once)."""
+        if self.settled:
+            return
+        self.settled = True
+        if self.event is not None:
+            self.event.synchronize()
+        _check_targets([self.span.tolist()], self.vocab_size)
 
 
 def _is_int(v) -> bool:
@@ -142,9 +182,10 @@ def agree(
     check: bool,
     target: torch.Tensor | None = None,
     ignore_index: int = -100,
-) -> VocabLayout:
+) -> tuple[VocabLayout, DeferredTargetCheck | None]:
     """The one metadata exchange of a call: raise ``problem`` on every rank, check that the ranks
-    agree on ``facts`` and that the shard sizes form the torch.chunk layout; return the layout.
+    agree on ``facts`` and that the shard sizes form the torch.chunk layout. Returns the layout and,
+    at world 1 with ``check`` and a ``target``, the target check still to settle (None otherwise).
 
     Args:
         problem: this rank's local input problem, or None.
@@ -158,7 +199,8 @@ def agree(
         check: exchange (one all-gather of a few int64s) and check. Needed anyway when ``vocab_size``
             is unknown; skipped otherwise with ``check=False``, and then a problem raises locally.
         target, ignore_index: with ``check``, every valid id of every rank's ``target`` must lie in
-            ``[0, V)`` (one host sync at world 1, none beyond the exchange's otherwise).
+            ``[0, V)``: checked here on a group (no host sync beyond the exchange's); at world 1
+            the returned :class:`DeferredTargetCheck`, which the op settles.
     """
     world = comm.world_size(group)
     if problem is not None and (world == 1 or not (check or vocab_size is None)):
@@ -168,9 +210,8 @@ def agree(
         v = local_size() if vocab_size is None else vocab_size
         if v != local_size():
             raise ValueError(f"vocab_size={vocab_size} but the unsharded input has {local_size()} classes")
-        if span:
-            _check_targets([_target_span(target, ignore_index).tolist()], v)
-        return VocabLayout.of_rank(None, 1, 0, v)
+        pending = DeferredTargetCheck(target, ignore_index, v) if span else None
+        return VocabLayout.of_rank(None, 1, 0, v), pending
     me = comm.rank(group)
     if check or vocab_size is None:
         names = sorted(facts)
@@ -194,7 +235,7 @@ def agree(
             f"rank {me} holds {local_size()} vocab rows, but the torch.chunk layout of V={vocab_size} "
             f"over {world} ranks gives it {lay.local_size}"
         )
-    return lay
+    return lay, None
 
 
 def _check_rows(rows: list[list[int]], names: list[str], vocab_size: int | None, world: int) -> int:
@@ -226,13 +267,16 @@ def _check_rows(rows: list[list[int]], names: list[str], vocab_size: int | None,
 
 
 def _target_span(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """``[min, max]`` (on the target's device) of the valid ids of ``target`` and 0: both inside
-    ``[0, V)`` exactly when every valid id is."""
+    """``[lo, hi]`` (on the target's device) with every valid id of ``target`` inside: both inside
+    ``[0, V)`` exactly when every valid id is, and an out-of-range id, if any, is one of them."""
     t = target.reshape(-1)
     if t.numel() == 0:
         return torch.zeros(2, dtype=torch.int64, device=t.device)
-    # ignored ids count as 0, which is in range: 4 small kernels, for this runs on every call
-    lo, hi = torch.aminmax(torch.where(t == ignore_index, 0, t))
+    span = kernels.target_span(t, ignore_index)  # one launch on a GPU
+    if span is not None:
+        return span
+    # ignored ids count as 0, which is in range
+    lo, hi = torch.aminmax(t.masked_fill(t == ignore_index, 0))
     return torch.stack([lo, hi])
 
 

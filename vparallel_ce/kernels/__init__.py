@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 from .. import stats
 
-__all__ = ["ops_for", "fused_applies", "TORCH_OPS"]
+__all__ = ["ops_for", "fused_applies", "target_span", "TORCH_OPS"]
 
 TORCH_OPS = SimpleNamespace(name="torch", local_stats=stats.local_stats, grad_logits=stats.grad_logits)
 
@@ -29,9 +29,17 @@ def _triton_ops(fused: bool):
     if not fused:
         return triton_ce.OPS
     # the row passes, plus the lm_head GEMM fused with each of them (linear_cross_entropy's
-    # recomputed logits): ``fused_covers(h, w, spec)`` says where the GEMM kernels take the inputs
-    return SimpleNamespace(**{**vars(triton_ce.OPS), "name": "triton+fused"}, fused_covers=fused_linear.schedule_covers,
-                           linear_stats=fused_linear.linear_stats, linear_grad_logits=fused_linear.linear_grad_logits)
+    # recomputed logits): ``fused_covers(h, w, spec)`` says where the GEMM kernels take the inputs.
+    # Built once per set of kernel functions (this runs on every call; tests swap the functions)
+    key = (fused_linear.schedule_covers, fused_linear.linear_stats, fused_linear.linear_grad_logits)
+    if _FUSED_OPS.get("key") != key:
+        _FUSED_OPS["key"] = key
+        _FUSED_OPS["ops"] = SimpleNamespace(**{**vars(triton_ce.OPS), "name": "triton+fused"}, fused_covers=key[0],
+                                            linear_stats=key[1], linear_grad_logits=key[2])
+    return _FUSED_OPS["ops"]
+
+
+_FUSED_OPS: dict = {}
 
 
 def ops_for(x):
@@ -75,3 +83,20 @@ def fused_applies(device, dtype, *, entropy: bool = False, temperature: float = 
     from .fused_linear import _capability  # cached per device: this runs on every call
 
     return _capability(device) >= (8, 0)
+
+
+def target_span(target, ignore_index: int):
+    """The Triton version of the front door's target span (:mod:`.targets`: one launch instead
+    of four) for integer CUDA targets, or None where it does not apply (CPU, no Triton,
+    ``VPARALLEL_CE_KERNELS=torch``): the caller then runs the torch version."""
+    import torch
+
+    if os.environ.get("VPARALLEL_CE_KERNELS", "auto") == "torch" or target.dtype not in (torch.int64, torch.int32):
+        return None
+    if not (target.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
+        return None
+    try:
+        from .targets import target_span as span
+    except Exception:  # triton missing or failing to import
+        return None
+    return span(target, ignore_index)

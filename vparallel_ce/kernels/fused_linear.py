@@ -416,7 +416,7 @@ def _stats(h, w, b, local_t, owned, spec, keep: bool, config):
     block = 128
     _merge_kernel[(triton.cdiv(c, block),)](pmax, psum, ptot, m, se, tot, c, n_parts, SMOOTH=smooth, BLOCK=block,
                                             num_warps=4)
-    return stats.ChunkStats(m, se, tgt, tot, owned.to(torch.float32)), logits
+    return stats.ChunkStats(m, se, tgt, tot), logits
 
 
 def _check_bias(b, w):

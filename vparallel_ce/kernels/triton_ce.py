@@ -179,7 +179,7 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
         x, x.stride(0), local_target.contiguous(), own, m, se, tg, sm, zexp, width, args["cap"], args["inv_cap"],
         args["inv_t"], SMOOTH=spec.label_smoothing > 0, ENTROPY=spec.entropy, BLOCK=block, num_warps=warps, **flags,
     )
-    return stats.ChunkStats(m, se, tg, sm, owned.to(torch.float32), zexp if spec.entropy else None)
+    return stats.ChunkStats(m, se, tg, sm, zexp if spec.entropy else None)
 
 
 def _grad(x, out, local_target, owned, shift, coefs, spec):
