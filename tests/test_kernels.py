@@ -222,6 +222,16 @@ _SPAN_CHECKS = textwrap.dedent(
 )
 
 
+def _triton_version() -> tuple[int, int]:
+    import triton
+
+    return tuple(int(x) for x in triton.__version__.split(".")[:2])
+
+
+@pytest.mark.xfail(HAS_TRITON and _triton_version() < (3, 7), strict=False,
+                   reason="seen on the H200 image: Triton 3.6's interpreter stops this kernel with 'only "
+                          "0-dimensional arrays can be converted to Python scalars' (3.9: exact); the compiled "
+                          "kernel is checked there by the CUDA bad-target tests of tests/test_linear.py")
 def test_target_span_kernel_in_interpreter():
     # the front door's one-launch range check: [min(0, lowest valid id), max(0, highest)] for
     # ignored ids anywhere, one and several 2048-wide tiles, int64 and int32 targets

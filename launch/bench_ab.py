@@ -1,0 +1,179 @@
+"""Two versions of vparallel_ce side by side in ONE process, interleaved with ``torch.compile``.
+
+A difference of a few percent at a host-bound shape (the TP=8 shard: ~5 ms of GPU work, ~2 ms of
+host time per call) is below what two separate processes on the same card reproduce, so this
+imports this checkout's package and an older copy of it together and measures them in rounds,
+rotating the order, against ``torch.compile`` of the plain loss in the same process.
+
+    git archive <old-commit> vparallel_ce | tar -x -C /tmp/old      # here, then carry /tmp/old
+    python launch/bench_ab.py --old /tmp/old --shapes llama3_8b_tp8 --timeline
+
+Per shape and method: the median over ``--rounds`` rounds of ``bench_loss``'s measure (median of
+10 fwd+bwd after 2 warm-ups, from an idle GPU) and the ratio to compile. ``--timeline``: a
+CUDA-only profile of one step per method (a spin kernel marks the step start): the GPU's idle
+time before its first kernel, its busy time, the idle gaps and the largest of them. Then the host
+time per fwd+bwd of tiny inputs (GPU work nil), interleaved the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_loss  # noqa: E402  (puts this checkout first on sys.path and imports vparallel_ce)
+import vparallel_ce as new  # noqa: E402
+
+
+def import_old(path: Path):
+    """The package at ``path/vparallel_ce`` imported as ``vparallel_ce_old`` (its imports are
+    relative, so a renamed copy is a second, independent package)."""
+    tmp = Path(tempfile.mkdtemp())
+    shutil.copytree(path / "vparallel_ce", tmp / "vparallel_ce_old")
+    sys.path.insert(0, str(tmp))
+    import vparallel_ce_old
+
+    return vparallel_ce_old
+
+
+def methods(old) -> dict:
+    plain = torch.compile(lambda h, w, t: F.cross_entropy((h @ w.t()).float(), t), dynamic=False)
+    found = {"compile": lambda h, w, t: plain(h, w, t)}
+    for tag, mod in (("new", new), ("old", old)):
+        if mod is None:
+            continue
+        found[f"{tag}:auto"] = lambda h, w, t, m=mod: m.linear_cross_entropy(h, w, t)
+        found[f"{tag}:chunks=1"] = lambda h, w, t, m=mod: m.linear_cross_entropy(h, w, t, chunks=1)
+        found[f"{tag}:chunks=1,check=False"] = lambda h, w, t, m=mod: m.linear_cross_entropy(h, w, t, chunks=1,
+                                                                                             check=False)
+    return found
+
+
+def timeline(fn, h, w, t, steps: int = 5) -> dict:
+    """GPU idle before the first kernel, busy time and idle gaps of one fwd+bwd (median step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        h.grad = w.grad = None
+        fn(h, w, t).backward()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(20000)  # the marker: a spin kernel right before the step
+            step()
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())["traceEvents"]
+    events = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    runs, cur = [], None
+    for e in events:
+        if "spin" in e["name"]:
+            cur = []
+            runs.append((e, cur))
+        elif cur is not None:
+            cur.append(e)
+    rows = []
+    for marker, body in runs:
+        if not body:
+            continue
+        t0, end = marker["ts"] + marker["dur"], body[-1]["ts"] + body[-1]["dur"]
+        busy = sum(e["dur"] for e in body)
+        gaps = sorted(((b["ts"] - a["ts"] - a["dur"], a["name"][:32], b["name"][:32]) for a, b in zip(body, body[1:])),
+                      reverse=True)
+        rows.append(dict(span_us=round(end - t0), before_first_us=round(body[0]["ts"] - t0), busy_us=round(busy),
+                         kernels=len(body), largest_gaps=[(round(g), a, b) for g, a, b in gaps[:3]]))
+    rows.sort(key=lambda r: r["span_us"])
+    return rows[len(rows) // 2] if rows else {}
+
+
+def host_ms(fn, rounds: int, steps: int = 50) -> float:
+    dev = torch.device("cuda")
+    h = torch.randn(64, 64, device=dev, dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(4096, 64, device=dev) / 8).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, 4096, (64,), device=dev)
+    out = []
+    for _ in range(rounds):
+        for _ in range(5):
+            h.grad = w.grad = None
+            fn(h, w, t).backward()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            h.grad = w.grad = None
+            fn(h, w, t).backward()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - start) / steps * 1e3)
+    return statistics.median(out)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--old", type=Path, default=None, help="a folder holding the older vparallel_ce/ package")
+    p.add_argument("--shapes", default="llama3_8b_tp8")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--timeline", action="store_true")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs CUDA")
+        return 1
+    dev = torch.device("cuda")
+    old = import_old(args.old) if args.old else None
+    fns = methods(old)
+    names = list(fns)
+    rows = []
+    for tag in args.shapes.split(","):
+        n, hdim, v = bench_loss.SHAPES[tag]
+        g = torch.Generator(device="cpu").manual_seed(0)
+        h = torch.randn(n, hdim, generator=g).to(dev, torch.bfloat16).requires_grad_()
+        w = (torch.randn(v, hdim, generator=g) / math.sqrt(hdim)).to(dev, torch.bfloat16).requires_grad_()
+        t = torch.randint(0, v, (n,), generator=g).to(dev)
+        runs = {k: [] for k in names}
+        for r in range(args.rounds):
+            for k in names[r % len(names):] + names[: r % len(names)]:  # rotate the order each round
+                ms, _, _ = bench_loss.time_and_peak(lambda: bench_loss.run_once(fns[k], h, w, t), (h, w), repeats=10,
+                                                    warmup=2, device=dev)
+                runs[k].append(ms)
+        for k in names:
+            rec = dict(shape=tag, method=k, ms=statistics.median(runs[k]), rounds=[round(x, 3) for x in runs[k]])
+            if args.timeline:
+                rec["timeline"] = timeline(fns[k], h, w, t)
+            rows.append(rec)
+            print(json.dumps(rec), flush=True)
+    host = {k: host_ms(fns[k], args.rounds) for k in names}
+    print("\n| shape | method | ms (median of rounds) | vs compile |")
+    print("|---|---|---|---|")
+    for r in rows:
+        base = next(x["ms"] for x in rows if x["shape"] == r["shape"] and x["method"] == "compile")
+        print(f"| {r['shape']} | {r['method']} | {r['ms']:.3f} | {r['ms'] / base:.3f}x |")
+    print("\n| method | host ms per fwd+bwd (64 tokens, V=4096) |")
+    print("|---|---|")
+    for k, ms in host.items():
+        print(f"| {k} | {ms:.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+            f.write(json.dumps({"host_ms": host}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
