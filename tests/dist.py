@@ -10,7 +10,8 @@ Failure never hangs:
 * every wait has a deadline (``timeout``); gloo collectives time out too (``PG_TIMEOUT``);
 * when one rank raises, the pool is torn down at once -- the other ranks may be blocked in a
   collective that will never complete -- and the call fails with that rank's traceback;
-* a broken pool is replaced on the next call.
+* a broken pool is replaced on the next call;
+* workers exit by themselves once the test process that spawned them is gone (killed).
 """
 
 from __future__ import annotations
@@ -42,8 +43,16 @@ def _worker(rank, world, store_path, inbox, outbox):
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=PG_TIMEOUT)
+    parent = os.getppid()
     while True:
-        job = inbox.get()
+        try:
+            job = inbox.get(timeout=5.0)
+        except queue.Empty:
+            # a test process killed by a signal runs no atexit hook: do not outlive it (leftover
+            # pools of killed runs filled a dev machine's memory and timed later runs out)
+            if os.getppid() != parent:
+                os._exit(0)
+            continue
         if job is None:
             break
         fn, args = job
