@@ -68,31 +68,32 @@ def cross_entropy(
     return out.reshape(inp.shape) if reduction == "none" else out
 
 
-def logits_statistics(x: torch.Tensor, target: torch.Tensor, call: Call) -> tuple[TokenStats, torch.Tensor]:
+def logits_statistics(x: torch.Tensor, target: torch.Tensor, call: Call) -> tuple[TokenStats, tuple]:
     """The statistics pass over ``[N, V_local]`` logits, chunk by chunk (one exchange per chunk):
-    the global per-token statistics of all ``N`` tokens and the valid mask."""
+    the global per-token statistics of all ``N`` tokens and the targets mapped to this shard,
+    ``(local_t, owned, valid)`` (:func:`~vparallel_ce.stats.local_targets`; the backward's
+    :func:`logits_gradient` takes them again rather than launching their kernels twice)."""
     lay, spec = call.layout, call.spec
     ops = kernels.ops_for(x)
-    local_t, owned, valid = local_targets(target, lay.offset, lay.local_size, spec.ignore_index,
-                                          all_owned=call.all_owned)
+    targets = local_targets(target, lay.offset, lay.local_size, spec.ignore_index, all_owned=call.all_owned)
+    local_t, owned, _ = targets
     parts = [combine(ops.local_stats(x[sl], local_t[sl], owned[sl], spec), lay)
              for sl in token_slices(x.shape[0], call.plan.chunks)]
     st = TokenStats(*(None if f[0] is None else torch.cat(f) for f in zip(*parts)))
-    return st, valid
+    return st, targets
 
 
-def logits_gradient(x: torch.Tensor, target: torch.Tensor, shift: torch.Tensor, coefs: GradCoefs,
+def logits_gradient(x: torch.Tensor, targets: tuple, shift: torch.Tensor, coefs: GradCoefs,
                     call: Call) -> torch.Tensor:
     """The gradient pass: ``d obj / d x`` chunk by chunk for the per-token global max ``shift`` and
-    coefficients ``coefs`` of all ``N`` tokens, in the logits' dtype. Local, no collective."""
-    lay, spec = call.layout, call.spec
+    coefficients ``coefs`` of all ``N`` tokens, in the logits' dtype; ``targets``: the forward's
+    ``(local_t, owned, valid)``. Local, no collective."""
     ops = kernels.ops_for(x)
-    local_t, owned, _ = local_targets(target, lay.offset, lay.local_size, spec.ignore_index,
-                                      all_owned=call.all_owned)
+    local_t, owned, _ = targets
     dx = torch.empty_like(x)
     for sl in token_slices(x.shape[0], call.plan.chunks):
         part = GradCoefs(*(None if k is None else k[sl] for k in coefs))
-        dx[sl] = ops.grad_logits(x[sl], local_t[sl], owned[sl], shift[sl], part, spec)
+        dx[sl] = ops.grad_logits(x[sl], local_t[sl], owned[sl], shift[sl], part, call.spec)
     return dx
 
 
@@ -103,19 +104,20 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, target, call: Call):
         with torch.autocast(x.device.type, enabled=False):
-            st, valid = logits_statistics(x, target, call)
+            st, targets = logits_statistics(x, target, call)
+            valid = targets[2]
             n_valid = valid.sum()
             coefs = unit_loss_coefs(st, valid, n_valid, call.reduction, call.spec)
-            ctx.save_for_backward(x, target)
-            ctx.call, ctx.shift, ctx.coefs = call, st.max, coefs  # per-token vectors
+            ctx.save_for_backward(x)
+            ctx.call, ctx.targets, ctx.shift, ctx.coefs = call, targets, st.max, coefs  # per-token vectors
             loss = reduce(token_loss(st, valid, call.spec), n_valid, call.reduction)
             call.settle()
             return loss
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, target = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
         with torch.autocast(x.device.type, enabled=False):
             g = grad_out.reshape(-1) if ctx.call.reduction == "none" else grad_out
-            dx = logits_gradient(x, target, ctx.shift, scale_coefs(ctx.coefs, g), ctx.call)
+            dx = logits_gradient(x, ctx.targets, ctx.shift, scale_coefs(ctx.coefs, g), ctx.call)
         return dx, None, None

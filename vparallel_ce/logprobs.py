@@ -127,23 +127,23 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, target, call: Call):
         with torch.autocast(x.device.type, enabled=False):
-            st, valid = logits_statistics(x, target, call)
-            logp, entropy = _outputs(st, valid)
-            ctx.save_for_backward(x, target, st.max, st.log_s, entropy)
-            ctx.call = call
+            st, targets = logits_statistics(x, target, call)
+            logp, entropy = _outputs(st, targets[2])
+            ctx.save_for_backward(x, st.max, st.log_s, entropy)
+            ctx.call, ctx.targets = call, targets  # the shard's target maps, for the backward
             ctx.set_materialize_grads(False)
             call.settle()
             return logp, entropy
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
-        x, target, m, log_s, entropy = ctx.saved_tensors
+        x, m, log_s, entropy = ctx.saved_tensors
         call = ctx.call
         if g_logp is None and g_entropy is None:  # local: no collective in this backward
             return None, None, None
         with torch.autocast(x.device.type, enabled=False):
-            coefs = _coefs(g_logp, g_entropy, target != call.spec.ignore_index, entropy, log_s, call)
-            return logits_gradient(x, target, m, coefs, call), None, None
+            coefs = _coefs(g_logp, g_entropy, ctx.targets[2], entropy, log_s, call)
+            return logits_gradient(x, ctx.targets, m, coefs, call), None, None
 
 
 class _LinearTokenLogprobs(torch.autograd.Function):
