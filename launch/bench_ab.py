@@ -24,7 +24,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import bench_host  # noqa: E402
 import bench_loss  # noqa: E402  (puts this checkout first on sys.path and imports vparallel_ce)
 import vparallel_ce as new  # noqa: E402
 
@@ -103,24 +103,10 @@ def timeline(fn, h, w, t, steps: int = 5) -> dict:
     return rows[len(rows) // 2] if rows else {}
 
 
-def host_ms(fn, rounds: int, steps: int = 50) -> float:
-    dev = torch.device("cuda")
-    h = torch.randn(64, 64, device=dev, dtype=torch.bfloat16).requires_grad_()
-    w = (torch.randn(4096, 64, device=dev) / 8).to(torch.bfloat16).requires_grad_()
-    t = torch.randint(0, 4096, (64,), device=dev)
-    out = []
-    for _ in range(rounds):
-        for _ in range(5):
-            h.grad = w.grad = None
-            fn(h, w, t).backward()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            h.grad = w.grad = None
-            fn(h, w, t).backward()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - start) / steps * 1e3)
-    return statistics.median(out)
+def host_ms_median(fn, rounds: int) -> float:
+    """``bench_host``'s host ms per fwd+bwd of its tiny inputs, median over ``rounds``."""
+    h, w, t = bench_host.tiny_inputs()
+    return statistics.median(bench_host.host_ms(lambda: fn(h, w, t), h, w) for _ in range(rounds))
 
 
 def main(argv=None) -> int:
@@ -157,7 +143,7 @@ def main(argv=None) -> int:
                 rec["timeline"] = timeline(fns[k], h, w, t)
             rows.append(rec)
             print(json.dumps(rec), flush=True)
-    host = {k: host_ms(fns[k], args.rounds) for k in names}
+    host = {k: host_ms_median(fns[k], args.rounds) for k in names}
     print("\n| shape | method | ms (median of rounds) | vs compile |")
     print("|---|---|---|---|")
     for r in rows:

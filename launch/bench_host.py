@@ -18,11 +18,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vparallel_ce  # noqa: E402
 
 
-def main(steps: int = 50) -> None:
+def tiny_inputs():
+    """``h [64, 64]``, ``w [4096, 64]`` (bf16, requiring grad) and targets on the GPU: GPU work nil."""
     g = torch.Generator(device="cpu").manual_seed(0)
     h = torch.randn(64, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_()
     w = (torch.randn(4096, 64, generator=g) / 8).to("cuda", torch.bfloat16).requires_grad_()
     t = torch.randint(0, 4096, (64,), generator=g).to("cuda")
+    return h, w, t
+
+
+def host_ms(loss, h, w, steps: int = 50) -> float:
+    """Host ms per forward+backward of ``loss()`` (which reads ``h`` and ``w``), after 5 warm-ups."""
+    def step():
+        h.grad = w.grad = None
+        loss().backward()
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def main(steps: int = 50) -> None:
+    h, w, t = tiny_inputs()
     compiled = torch.compile(lambda a, b, c: F.cross_entropy((a @ b.t()).float(), c))
     cases = {
         "plain": lambda: F.cross_entropy((h @ w.t()).float(), t),
@@ -32,18 +54,7 @@ def main(steps: int = 50) -> None:
         "ours vocab x16": lambda: vparallel_ce.linear_cross_entropy(h, w, t, chunks=16, schedule="vocab"),
     }
     for name, loss in cases.items():
-        def step():
-            h.grad = w.grad = None
-            loss().backward()
-
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        print(f"host {name}: {(time.perf_counter() - start) / steps * 1e3:.3f} ms per fwd+bwd", flush=True)
+        print(f"host {name}: {host_ms(loss, h, w, steps):.3f} ms per fwd+bwd", flush=True)
 
 
 if __name__ == "__main__":

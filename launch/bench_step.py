@@ -30,11 +30,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_loss  # noqa: E402
 import vparallel_ce  # noqa: E402
 from model import Transformer, get_config  # noqa: E402
 
@@ -52,32 +52,16 @@ class Checkpointed(torch.nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
-def make_loss(name: str):
-    """``fn(h [N, H], w [V, H], t [N]) -> mean loss``, or None where the peer is not importable."""
-    def plain(h, w, t):
-        return F.cross_entropy((h @ w.t()).float(), t)
-
-    if name == "plain":
-        return plain
-    if name == "compile":
-        return torch.compile(plain, dynamic=False)
-    if name == "liger":
-        try:
-            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
-        except Exception:
-            return None
-        return lambda h, w, t: liger(h, w, t)
-    if name == "cce":
-        try:
-            from cut_cross_entropy import linear_cross_entropy as cce
-        except Exception:
-            return None
-        return lambda h, w, t: cce(h, w, t)
+def make_loss(name: str, device: torch.device):
+    """``fn(h [N, H], w [V, H], t [N]) -> mean loss``, or None where the peer is not importable
+    (the peers are ``bench_loss``'s: ``plain`` is its ``fp32_plain``)."""
     if name == "ours":
         return lambda h, w, t: vparallel_ce.linear_cross_entropy(h, w, t)
     if name.startswith("ours:"):
         _, schedule, chunks = name.split(":")
         return lambda h, w, t: vparallel_ce.linear_cross_entropy(h, w, t, schedule=schedule, chunks=int(chunks))
+    if name in ("plain", "compile", "liger", "cce"):
+        return bench_loss.make_method("fp32_plain" if name == "plain" else name, device)
     raise ValueError(f"unknown loss {name!r}")
 
 
@@ -161,7 +145,7 @@ def main(argv=None):
     rows = []
     out = open(args.json, "a") if args.json else None
     for name in args.losses.split(","):
-        fn = make_loss(name)
+        fn = make_loss(name, device)
         if fn is None:
             print(f"# {name}: not importable, skipped", flush=True)
             continue
