@@ -21,6 +21,11 @@ __all__ = ["ops_for", "fused_applies", "target_span", "TORCH_OPS"]
 TORCH_OPS = SimpleNamespace(name="torch", local_stats=stats.local_stats, grad_logits=stats.grad_logits)
 
 
+def interpreting() -> bool:
+    """Whether Triton kernels run under its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _triton_ops(fused: bool):
     try:
         from . import fused_linear, triton_ce
@@ -93,7 +98,7 @@ def target_span(target, ignore_index: int):
 
     if os.environ.get("VPARALLEL_CE_KERNELS", "auto") == "torch" or target.dtype not in (torch.int64, torch.int32):
         return None
-    if not (target.is_cuda or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
+    if not (target.is_cuda or interpreting()):
         return None
     try:
         from .targets import target_span as span

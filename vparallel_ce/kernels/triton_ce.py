@@ -15,7 +15,6 @@ tensors outside the Triton interpreter) fall back to the torch versions.
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import torch
@@ -23,14 +22,14 @@ import triton
 import triton.language as tl
 
 from .. import stats
+from . import interpreting
 
 __all__ = ["OPS", "local_stats", "grad_logits", "grad_logits_"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_interpreting = interpreting  # the one definition is the dispatcher's (kernels/__init__.py)
 
 
 def _covered(x: torch.Tensor) -> bool:
