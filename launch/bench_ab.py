@@ -131,24 +131,26 @@ def main(argv=None) -> int:
         h = torch.randn(n, hdim, generator=g).to(dev, torch.bfloat16).requires_grad_()
         w = (torch.randn(v, hdim, generator=g) / math.sqrt(hdim)).to(dev, torch.bfloat16).requires_grad_()
         t = torch.randint(0, v, (n,), generator=g).to(dev)
-        runs = {k: [] for k in names}
+        runs, peaks = {k: [] for k in names}, {k: [] for k in names}
         for r in range(args.rounds):
             for k in names[r % len(names):] + names[: r % len(names)]:  # rotate the order each round
-                ms, _, _ = bench_loss.time_and_peak(lambda: bench_loss.run_once(fns[k], h, w, t), (h, w), repeats=10,
-                                                    warmup=2, device=dev)
+                ms, peak, _ = bench_loss.time_and_peak(lambda: bench_loss.run_once(fns[k], h, w, t), (h, w),
+                                                       repeats=10, warmup=2, device=dev)
                 runs[k].append(ms)
+                peaks[k].append(peak)
         for k in names:
-            rec = dict(shape=tag, method=k, ms=statistics.median(runs[k]), rounds=[round(x, 3) for x in runs[k]])
+            rec = dict(shape=tag, method=k, ms=statistics.median(runs[k]), peak_gib=round(max(peaks[k]), 4),
+                       rounds=[round(x, 3) for x in runs[k]])
             if args.timeline:
                 rec["timeline"] = timeline(fns[k], h, w, t)
             rows.append(rec)
             print(json.dumps(rec), flush=True)
     host = {k: host_ms_median(fns[k], args.rounds) for k in names}
-    print("\n| shape | method | ms (median of rounds) | vs compile |")
-    print("|---|---|---|---|")
+    print("\n| shape | method | ms (median of rounds) | vs compile | peak GiB |")
+    print("|---|---|---|---|---|")
     for r in rows:
         base = next(x["ms"] for x in rows if x["shape"] == r["shape"] and x["method"] == "compile")
-        print(f"| {r['shape']} | {r['method']} | {r['ms']:.3f} | {r['ms'] / base:.3f}x |")
+        print(f"| {r['shape']} | {r['method']} | {r['ms']:.3f} | {r['ms'] / base:.3f}x | {r['peak_gib']:.3f} |")
     print("\n| method | host ms per fwd+bwd (64 tokens, V=4096) |")
     print("|---|---|")
     for k, ms in host.items():

@@ -97,13 +97,15 @@ def make_method(name: str, device: torch.device):
     if name.startswith("ours:"):
         schedule, chunks, variant = _ours(name)
         check = variant != "nocheck"
+        policy = _budget_policy(name)
 
         def ours(h, w, t):
             fused = os.environ.get("VPARALLEL_CE_FUSED")
             if variant == "unfused":  # cuBLAS + the row passes where the fused GEMM kernels would run
                 os.environ["VPARALLEL_CE_FUSED"] = "0"
             try:
-                return vparallel_ce.linear_cross_entropy(h, w, t, chunks=chunks, schedule=schedule, check=check)
+                return vparallel_ce.linear_cross_entropy(h, w, t, chunks=chunks, schedule=schedule, check=check,
+                                                         policy=policy)
             finally:
                 if variant == "unfused":
                     os.environ.pop("VPARALLEL_CE_FUSED", None) if fused is None else os.environ.update(
@@ -114,9 +116,18 @@ def make_method(name: str, device: torch.device):
 
 
 def _ours(name: str):
-    """``ours:<schedule>:<chunks>[:unfused|:nocheck]`` -> (schedule, chunks, variant)."""
+    """``ours:<schedule>:<chunks>[:unfused|:nocheck]`` -> (schedule, chunks, variant);
+    ``ours:budget:<MiB>`` is ``chunks="auto"`` with that policy budget (:func:`_budget_policy`)."""
     _, schedule, chunks, *variant = name.split(":")
+    if schedule == "budget":
+        return "auto", "auto", (variant or [""])[0]
     return schedule, chunks if chunks == "auto" else int(chunks), (variant or [""])[0]
+
+
+def _budget_policy(name: str):
+    """The policy of ``ours:budget:<MiB>`` (the plan the policy picks for that budget), else None."""
+    parts = name.split(":")
+    return _policy.ChunkPolicy(budget_bytes=int(parts[2]) << 20) if parts[1] == "budget" else None
 
 
 def ours_plan(name: str, n: int, hdim: int, v: int, device) -> str:
@@ -124,7 +135,8 @@ def ours_plan(name: str, n: int, hdim: int, v: int, device) -> str:
         return ""
     schedule, chunks, variant = _ours(name)
     fused = variant != "unfused" and vparallel_ce.kernels.fused_applies(device, torch.bfloat16)
-    plan = _policy.choose_plan(n, v, 1, hidden_size=hdim, schedule=schedule, chunks=chunks, fused=fused)
+    plan = _policy.choose_plan(n, v, 1, hidden_size=hdim, schedule=schedule, chunks=chunks, fused=fused,
+                               policy=_budget_policy(name))
     how = "fwd" if plan.grad_in_forward else "kept" if plan.keep_logits else "re"
     return f"{plan.schedule}x{plan.chunks}/{how}"
 
