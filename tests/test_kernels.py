@@ -96,7 +96,33 @@ _INTERPRETER_CHECKS = textwrap.dedent(
         inplace = x.clone()
         assert tc.grad_logits_(inplace, local_t, owned, lse, gscale, spec) is inplace
         assert torch.equal(inplace, got)
+        if not spec.entropy:  # statistics and the loss' gradient for weights r in one kernel, in place
+            weights = valid.float() * (0.5 + torch.rand(c))
+            ref_x, got_x = x.clone(), x.clone()
+            ref = stats.loss_stats_grad_(ref_x, local_t, owned, weights, spec)
+            got = tc.loss_stats_grad_(got_x, local_t, owned, weights, spec)
+            for name, r, g in zip(ref._fields[:4], ref, got):
+                atol = 2e-5 + (2e-7 * abs_sum if name == "sum" else 0.0)
+                torch.testing.assert_close(g, r, rtol=1e-5, atol=atol,
+                                           msg=lambda m: f"one-pass {name} {width} {opts} {dtype}: {m}")
+            torch.testing.assert_close(got_x.float(), ref_x.float(), **tol,
+                                       msg=lambda m: f"one-pass grad {width} {opts} {dtype}: {m}")
+            if width and c > 3:
+                assert (got_x[3] == 0).all()  # ignored row: exactly zero
         ran += 1
+
+    # g * x with the product in fp32, rounded once, per row or scalar, in place: fp32 bitwise the
+    # reference's; 16-bit within one ulp (the interpreter's fp32 -> bf16 rounding is not the GPU's
+    # round-to-nearest-even; the CUDA test checks bitwise)
+    for dtype, ulp in ((torch.float32, 0.0), (torch.bfloat16, 2.0**-7), (torch.float16, 2.0**-10)):
+        x = torch.randn(5, 37).to(dtype)
+        for g in (torch.tensor(1 / 3), torch.rand(5) + 0.5):
+            y = x.clone()
+            assert tc.scale_rows(y, g, out=y) is y
+            for got in (tc.scale_rows(x, g), y):
+                assert got.dtype == dtype
+                torch.testing.assert_close(got, stats.scale_rows(x, g), rtol=ulp, atol=0,
+                                           msg=lambda m: f"scale_rows {dtype}: {m}")
 
     # a strided row view (row stride > width) is read in place, not copied
     spec = stats.LossSpec(500)
@@ -167,21 +193,24 @@ def test_cross_entropy_triton_vs_torch(monkeypatch, opts, dtype):
 
 
 @cuda
-@pytest.mark.parametrize("schedule,recompute", [("token", False), ("token", True), ("vocab", None)])
+@pytest.mark.parametrize("schedule,recompute,chunks", [("token", False, 4), ("token", True, 4), ("vocab", None, 4),
+                                                       ("token", None, 1)])
 @pytest.mark.parametrize("opts", [{}, dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0)])
-def test_linear_cross_entropy_triton_vs_torch(monkeypatch, schedule, recompute, opts):
+def test_linear_cross_entropy_triton_vs_torch(monkeypatch, schedule, recompute, chunks, opts):
+    # chunks=1 at an aligned width: the kept logits turned into their gradient by the one-pass kernel
     from vparallel_ce import linear_cross_entropy
 
     torch.manual_seed(0)
+    vocab = 3001 if chunks > 1 else 3008
     h0 = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
-    w0 = torch.randn(3001, 256, device="cuda", dtype=torch.bfloat16) * 0.05
-    target = torch.randint(0, 3001, (512,), device="cuda")
+    w0 = torch.randn(vocab, 256, device="cuda", dtype=torch.bfloat16) * 0.05
+    target = torch.randint(0, vocab, (512,), device="cuda")
     target[::5] = -100
 
     def fn():
         h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
-        loss = linear_cross_entropy(h, w, target, chunks=4, schedule=schedule, recompute=recompute, **opts)
-        loss.backward()
+        loss = linear_cross_entropy(h, w, target, chunks=chunks, schedule=schedule, recompute=recompute, **opts)
+        (loss / 3).backward()  # an upstream gradient that bf16 cannot hold exactly
         return loss.detach(), h.grad.float(), w.grad.float()
 
     # the float64 truth of the same bf16 inputs: where the Triton path recomputes logits it runs the
@@ -189,13 +218,43 @@ def test_linear_cross_entropy_triton_vs_torch(monkeypatch, schedule, recompute, 
     # logits to bf16 first), so it must be at least as close to it as the torch path
     h64, w64 = h0.double().requires_grad_(), w0.double().requires_grad_()
     ref = reference_loss(h64 @ w64.T, target, **opts)
-    ref.backward()
+    (ref / 3).backward()
     a, b = _run_both(fn, monkeypatch)
     for name, got_a, got_b, truth in zip(("loss", "dh", "dW"), a, b, (ref.detach(), h64.grad, w64.grad)):
         err_a = float((got_a.double() - truth).norm() / truth.norm())
         err_b = float((got_b.double() - truth).norm() / truth.norm())
         floor = 1e-3 if name == "loss" else 1e-2  # bf16 rounding of the logits / gradients
         assert err_a < floor and err_b < floor and err_a <= 1.5 * err_b + 1e-6, (name, err_a, err_b)
+
+
+@cuda
+@pytest.mark.parametrize("opts", [{}, dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0)])
+def test_one_pass_statistics_and_gradient_on_cuda(opts):
+    # several 4096-wide tiles and a ragged tail, bf16: the statistics and the in-place gradient of
+    # the one-pass kernel against the reference's two passes; scale_rows bitwise the reference's
+    from vparallel_ce import stats
+    from vparallel_ce.kernels import triton_ce as tc
+
+    torch.manual_seed(0)
+    c, width = 257, 3 * 4096 + 123
+    spec = stats.LossSpec(width, **opts)
+    x = (torch.randn(c, width, device="cuda") * 3).to(torch.bfloat16)
+    target = torch.randint(0, width, (c,), device="cuda")
+    target[::7] = -100
+    target[1] = width - 1
+    local_t, owned, valid = stats.local_targets(target, 0, width, -100)
+    weights = valid.float() / valid.sum()
+    ref_x, got_x = x.clone(), x.clone()
+    ref = stats.loss_stats_grad_(ref_x, local_t, owned, weights, spec)
+    got = tc.loss_stats_grad_(got_x, local_t, owned, weights, spec)
+    abs_sum = float(stats._transform(x, spec).abs().sum(-1).max())
+    for name, r, g in zip(ref._fields[:4], ref, got):
+        atol = 2e-5 + (2e-7 * abs_sum if name == "sum" else 0.0)  # a sum with cancellation
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=atol, msg=lambda m: f"{name} {opts}: {m}")
+    torch.testing.assert_close(got_x.float(), ref_x.float(), rtol=1e-2, atol=1e-7, msg=lambda m: f"dx {opts}: {m}")
+    assert (got_x[::7] == 0).all()
+    for g in (torch.tensor(1 / 3, device="cuda"), torch.rand(c, device="cuda") + 0.5):
+        assert torch.equal(tc.scale_rows(x, g), stats.scale_rows(x, g))
 
 
 _SPAN_CHECKS = textwrap.dedent(

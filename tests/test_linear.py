@@ -330,6 +330,56 @@ def test_per_token_losses_keep_the_one_chunk_of_logits_and_a_second_backward_rec
         assert rel_err(got[0], expect[0]) < 1e-12 and rel_err(got[1], expect[1]) < 1e-12
 
 
+def _counting_ops(monkeypatch) -> dict:
+    """Calls of the reference ops' row passes (the CPU path), by name."""
+    from vparallel_ce import kernels
+
+    calls = {}
+    for name in ("loss_stats_grad_", "local_stats", "grad_logits"):
+        def counted(*args, _fn=getattr(kernels.TORCH_OPS, name), _name=name, **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _fn(*args, **kwargs)
+
+        monkeypatch.setattr(kernels.TORCH_OPS, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("reduction,bias", [("mean", True), ("sum", False), ("none", False)])
+def test_one_chunk_on_one_rank_makes_its_gradient_with_the_statistics_in_one_pass(monkeypatch, reduction, bias):
+    # one chunk of a rank holding the whole vocab: the forward's statistics step also turns the kept
+    # logits into their gradient for an upstream gradient of 1 (one pass over them, no second); the
+    # backward applies the upstream gradient to [N, H] operands and runs the two gradient GEMMs only
+    calls = _counting_ops(monkeypatch)
+    hidden, weight, b0, target = make_case(18, tokens=(4, 16), vocab=64, bias=bias)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    b = None if b0 is None else b0.clone().requires_grad_()
+    out = vparallel_ce.linear_cross_entropy(h, w, target, b, chunks=1, reduction=reduction)
+    assert calls == {"loss_stats_grad_": 1}, calls
+    ref, up, dh, dw, db = reference(hidden, weight, b0, target, reduction, {})
+    assert count_matmuls(lambda: (out * up).sum().backward()) == 2
+    assert calls == {"loss_stats_grad_": 1}, calls
+    assert rel_err(out, ref) < 1e-12 and rel_err(h.grad, dh) < 1e-12 and rel_err(w.grad, dw) < 1e-12
+    if bias:
+        assert rel_err(b.grad, db) < 1e-12
+
+
+def _one_chunk_on_a_group_rank(rank, world):
+    import pytest as _pytest
+
+    with _pytest.MonkeyPatch.context() as mp:
+        calls = _counting_ops(mp)
+        hidden, weight, _, target = make_case(19, tokens=(4, 16), vocab=64, bias=False)
+        vparallel_ce.linear_cross_entropy(hidden, shard(weight, world, rank, 0).requires_grad_(), target, chunks=1,
+                                          group=torch.distributed.group.WORLD).backward()
+        return dict(calls)
+
+
+def test_on_a_group_the_statistics_are_exchanged_before_the_gradient_pass():
+    # a vocab shard needs the group's statistics before its gradient: two passes, as before
+    for calls in run_ranks(_one_chunk_on_a_group_rank, 2):
+        assert calls == {"local_stats": 1, "grad_logits": 1}, calls
+
+
 def _bad_target_rank(rank, world):
     hidden, weight, _, target = make_case(17, tokens=(4, 16), vocab=64)
     target[2, 3] = 64  # replicated over the group, as the op requires

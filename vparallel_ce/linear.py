@@ -33,6 +33,7 @@ parallelism, DTensor weight ``Shard(0)`` / hidden, ``torch.compile`` (graph brea
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +44,11 @@ from .call import Call, linear_call
 from .layout import aligned_parts, vocab_blocks
 from .stats import (
     block_targets, combine, compute_dtype, local_targets, merge, reduce, scale_coefs, token_loss, token_slices,
-    unit_loss_coefs,
+    token_weights, unit_loss_coefs,
 )
 
-__all__ = ["linear_cross_entropy", "Schedule", "Rows", "ChunkTargets", "Grads", "matmul_inputs", "take_kept"]
+__all__ = ["linear_cross_entropy", "Schedule", "Rows", "ChunkTargets", "Grads", "matmul_inputs", "take_kept",
+           "grads_from_unit_dx"]
 
 
 def linear_cross_entropy(
@@ -298,6 +300,15 @@ class Schedule:
             t_c = rows.gather(c, t, fill=call.spec.ignore_index)
             yield c, h_c, t_c, ChunkTargets(call, t_c)
 
+    def grad_with_statistics(self, call: Call, b) -> bool:
+        """Whether a kept chunk's logits are turned into their gradient (for an upstream gradient of
+        1) by the statistics' own kernel, in forward (:func:`~vparallel_ce.stats.loss_stats_grad_`:
+        one pass over the logits instead of two, and the backward's first kernel is a GEMM): one
+        chunk of one block, on a rank holding the whole vocab (no exchange between the statistics
+        and the gradient), not sequence parallel; a bias only with a scalar upstream gradient."""
+        return (self.keep_logits and self.row_chunks == 1 and len(self.blocks) == 1 and not call.layout.sharded
+                and not call.sequence_parallel and not (b is not None and call.reduction == "none"))
+
     @staticmethod
     def fused(ops, call: Call, h_c, w) -> bool:
         """Whether the lm_head GEMM runs fused with the row passes (:mod:`vparallel_ce.kernels.fused_linear`)
@@ -388,13 +399,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grads = Grads(h, w, b, need, acc_dtype=cdt, rows=rows, schedule=sched) if grads_now else None
             n_valid, per_token = None, []
             ctx.kept, ctx.targets, ctx.shift, ctx.coefs = [], [], [], []
+            unit_dx = keep and sched.grad_with_statistics(call, b)
             for c, h_c, t_c, targets in sched.walk(call, rows, hm, t):
-                st, kept = sched.statistics(call, ops, h_c, wm, bm, targets)
-                local_t, owned, valid = targets()
-                if n_valid is None:  # launched after the first GEMM too (mean's scale needs it from chunk 0)
-                    whole = len(rows) == 1 and not call.sequence_parallel  # the chunk's mask is all of t's
-                    n_valid = _valid_count(t, call, valid if whole else None)
-                coefs = unit_loss_coefs(st, valid, n_valid, call.reduction, spec)
+                if unit_dx:  # the kept logits become their gradient for 1 in the statistics' own kernel
+                    x = F.linear(h_c, wm, bm)
+                    local_t, owned, valid = targets()
+                    n_valid = _valid_count(t, call, valid)
+                    weights = token_weights(valid, n_valid, call.reduction, cdt)
+                    st = combine(ops.loss_stats_grad_(x, local_t, owned, weights, spec), call.layout)
+                    kept = [x]
+                    # made only if a second backward of this graph recomputes (no kernels launched now)
+                    coefs = functools.partial(unit_loss_coefs, st, valid, n_valid, call.reduction, spec)
+                else:
+                    st, kept = sched.statistics(call, ops, h_c, wm, bm, targets)
+                    local_t, owned, valid = targets()
+                    if n_valid is None:  # launched after the first GEMM too (mean's scale needs it from chunk 0)
+                        whole = len(rows) == 1 and not call.sequence_parallel  # the chunk's mask is all of t's
+                        n_valid = _valid_count(t, call, valid if whole else None)
+                    coefs = unit_loss_coefs(st, valid, n_valid, call.reduction, spec)
                 per_token.append(_keep(rows, c, token_loss(st, valid, spec), call.reduction))
                 if grads is not None:
                     sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, st.max, coefs, kept, grads)
@@ -406,7 +428,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                         ctx.kept.append(kept)
             if n_valid is None:
                 n_valid = _valid_count(t, call)
-            ctx.call, ctx.need, ctx.grads_now = call, need, grads is not None
+            ctx.call, ctx.need, ctx.grads_now, ctx.unit_dx = call, need, grads is not None, unit_dx
             if grads is not None:  # only [N, H] / [V_loc, H] gradients are kept, no logits
                 ctx.save_for_backward(*grads.finish(rows))
             else:
@@ -425,16 +447,48 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             hm, wm, bm = matmul_inputs(call, h, w, b)
             ops = kernels.ops_for(wm)
+            kept_chunks = take_kept(ctx)
+            if ctx.unit_dx and kept_chunks:
+                g = grad_out.reshape(-1) if call.reduction == "none" else grad_out
+                return grads_from_unit_dx(ops, kept_chunks[0][0], h, w, b, hm, wm, g, ctx.need) + (None, None)
             sched = Schedule.of(call, keep_logits=False)
             rows = sched.rows(call)
             grads = Grads(h, w, b, ctx.need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)
-            kept_chunks = take_kept(ctx)
             for c, h_c, t_c, targets in sched.walk(call, rows, hm, t, ctx.targets):
                 local_t, owned, _ = targets()
                 g = rows.gather(c, grad_out.reshape(-1)) if call.reduction == "none" else grad_out
+                coefs = ctx.coefs[c]
+                coefs = coefs() if callable(coefs) else coefs
                 sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, ctx.shift[c],
-                                scale_coefs(ctx.coefs[c], g), kept_chunks[c] if kept_chunks else [], grads)
+                                scale_coefs(coefs, g), kept_chunks[c] if kept_chunks else [], grads)
             return grads.finish(rows) + (None, None)
+
+
+def grads_from_unit_dx(ops, dx, h, w, b, hm, wm, g, need) -> tuple:
+    """``(dh, dW, db)`` from ``dx [N, V]``, the logits' gradient for an upstream gradient of 1 that
+    the forward made (:meth:`Schedule.grad_with_statistics`), and the upstream ``g`` (a scalar, or
+    per token for ``none``)::
+
+        dW = dx^T (g h),    dh = g (dx W),    db = g sum_i dx_i
+
+    ``g`` goes on the ``[N, H]`` operand and result, never on ``dx`` (that would be one more pass
+    over the logits). ``g h`` is formed in fp32, rounded once into the matmul dtype (exact for
+    ``g = 1``) and freed before ``dh`` is allocated, so the peak is ``dx + dW + dh``, as with the
+    gradient pass of the kept logits."""
+    need_h, need_w, need_b = need
+    dh = dw = db = None
+    if need_w:
+        gh = ops.scale_rows(hm, g)
+        dw = torch.empty_like(w)
+        _mm_into(dw, dx.t(), gh, accumulate=False)
+        del gh
+    if need_h:
+        dh = torch.empty_like(h)
+        _mm_into(dh, dx, wm, accumulate=False)
+        ops.scale_rows(dh, g, out=dh)
+    if need_b and b is not None:  # a scalar g: a bias with reduction="none" does not take this path
+        db = (dx.sum(0, dtype=compute_dtype(dx.dtype)) * g.to(compute_dtype(dx.dtype))).to(b.dtype)
+    return dh, dw, db
 
 
 def take_kept(ctx) -> list:

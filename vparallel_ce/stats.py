@@ -45,6 +45,9 @@ every ``p_j`` by that much); the loss and ``logp`` are formed the same way, from
 
 The same ``(m, S, E)`` merge across vocab blocks of one rank (:func:`merge`), which is how the
 vocab-blocked schedule of ``linear_cross_entropy`` builds its statistics before the one exchange.
+A rank holding the whole vocab has nothing to exchange, so its forward can make the loss'
+gradient for an upstream gradient of 1 right after the statistics (:func:`loss_stats_grad_`, one
+pass); the backward then applies the upstream gradient to the ``[N, H]`` side (:func:`scale_rows`).
 
 Statistics are fp32 whatever the logits' dtype (fp64 for fp64 logits, so tests can check to 1e-10).
 CUDA kernels in ``vparallel_ce.kernels`` are drop-ins for :func:`local_stats` and
@@ -61,8 +64,8 @@ import torch
 from . import comm
 
 __all__ = ["LossSpec", "ChunkStats", "TokenStats", "GradCoefs", "local_targets", "block_targets", "local_stats", "merge",
-           "combine", "token_loss", "loss_grad_coefs", "unit_loss_coefs", "scale_coefs", "logprob_grad_coefs",
-           "grad_logits"]
+           "combine", "token_loss", "loss_grad_coefs", "token_weights", "unit_loss_coefs", "scale_coefs",
+           "loss_stats_grad_", "scale_rows", "logprob_grad_coefs", "grad_logits"]
 
 
 @dataclass(frozen=True)
@@ -287,17 +290,48 @@ def reduce(per_token: torch.Tensor, n_valid: torch.Tensor, reduction: str) -> to
     return total / n_valid if reduction == "mean" else total
 
 
-def unit_loss_coefs(st: TokenStats, valid: torch.Tensor, n_valid: torch.Tensor, reduction: str,
-                    spec: LossSpec) -> GradCoefs:
-    """The loss' :class:`GradCoefs` for an upstream gradient of 1: with ``r_i = d(output)/d(loss_i)``
-    (``1 / n_valid`` for mean, 1 for sum and none; 0 on ignored tokens) they are
-    ``loss_grad_coefs(m, log S, r)``. Every coefficient is linear in the upstream gradient, so the
-    forward makes these and the backward only scales them (:func:`scale_coefs`): one small kernel
-    per coefficient between the backward's start and its gradient pass."""
-    r = valid.to(st.max.dtype)
+def token_weights(valid: torch.Tensor, n_valid: torch.Tensor, reduction: str, dtype: torch.dtype) -> torch.Tensor:
+    """``r_i = d(output) / d(loss_i)`` of the reduced output: ``1 / n_valid`` for mean, 1 for sum and
+    none; 0 on ignored tokens."""
+    r = valid.to(dtype)
     if reduction == "mean":
         r = r / n_valid.clamp(min=1)  # all ignored: loss 0/0 as F.cross_entropy, gradient 0 (not nan)
-    return loss_grad_coefs(st.max, st.log_s, r, spec)
+    return r
+
+
+def unit_loss_coefs(st: TokenStats, valid: torch.Tensor, n_valid: torch.Tensor, reduction: str,
+                    spec: LossSpec) -> GradCoefs:
+    """The loss' :class:`GradCoefs` for an upstream gradient of 1: ``loss_grad_coefs(m, log S, r)``
+    with ``r`` the :func:`token_weights`. Every coefficient is linear in the upstream gradient, so
+    the forward makes these and the backward only scales them (:func:`scale_coefs`): one small
+    kernel per coefficient between the backward's start and its gradient pass."""
+    return loss_grad_coefs(st.max, st.log_s, token_weights(valid, n_valid, reduction, st.max.dtype), spec)
+
+
+def loss_stats_grad_(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, weights: torch.Tensor,
+                     spec: LossSpec) -> ChunkStats:
+    """Steps 1 and the backward in one go, for a rank that holds the WHOLE vocab (nothing to
+    exchange between them): the statistics of ``x [c, V]``, and ``x`` overwritten with
+    ``d(sum_i r_i loss_i) / d x`` for the per-token ``weights`` ``r`` (:func:`token_weights`), i.e.
+    the loss' gradient for an upstream gradient of 1 (in ``x``'s dtype). Returns the statistics
+    (:func:`combine` of them gives the loss). The Triton version reads each row twice in one kernel
+    (the second time mostly from cache) and writes it once."""
+    st = local_stats(x, local_target, owned, spec)
+    coefs = loss_grad_coefs(st.max, torch.log(st.sumexp), weights.to(st.max.dtype), spec)
+    x.copy_(grad_logits(x, local_target, owned, st.max, coefs, spec))
+    return st
+
+
+def scale_rows(x: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``g * x`` rounded once into ``out``'s dtype (``x``'s by default; ``out=x``: in place): the
+    product is formed in fp32 (fp64 for fp64), so a ``g`` such as 1/3 is not rounded to bf16 first.
+    ``g``: a scalar tensor, or one value per row of ``x [c, n]``."""
+    cdt = compute_dtype(x.dtype)
+    g = g.to(cdt)
+    prod = x.to(cdt) * (g.reshape(-1, 1) if g.dim() else g)
+    if out is None:
+        return prod.to(x.dtype)
+    return out.copy_(prod)
 
 
 def scale_coefs(coefs: GradCoefs, grad_out: torch.Tensor) -> GradCoefs:

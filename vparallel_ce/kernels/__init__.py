@@ -1,8 +1,8 @@
 """Implementations of the two per-chunk steps of :mod:`vparallel_ce.stats`.
 
-``ops_for(tensor)`` returns an object with ``local_stats`` and ``grad_logits`` of exactly the
-signatures in :mod:`vparallel_ce.stats`. The torch versions there are the reference and the CPU
-path; fused CUDA kernels (Triton) replace them on GPU when available. The Triton ops also carry
+``ops_for(tensor)`` returns an object with ``local_stats``, ``grad_logits``, ``loss_stats_grad_``
+and ``scale_rows`` of exactly the signatures in :mod:`vparallel_ce.stats`. The torch versions there
+are the reference and the CPU path; fused CUDA kernels (Triton) replace them on GPU when available. The Triton ops also carry
 ``linear_stats`` / ``linear_grad_logits`` (:mod:`.fused_linear`: the lm_head GEMM with either step
 in its epilogue), which ``linear_cross_entropy`` uses wherever it would recompute logits, where
 ``fused_covers(h, w, spec)`` is true. Set ``VPARALLEL_CE_KERNELS=torch`` to force the reference
@@ -18,7 +18,8 @@ from .. import stats
 
 __all__ = ["ops_for", "fused_applies", "target_span", "TORCH_OPS"]
 
-TORCH_OPS = SimpleNamespace(name="torch", local_stats=stats.local_stats, grad_logits=stats.grad_logits)
+TORCH_OPS = SimpleNamespace(name="torch", local_stats=stats.local_stats, grad_logits=stats.grad_logits,
+                            loss_stats_grad_=stats.loss_stats_grad_, scale_rows=stats.scale_rows)
 
 
 def interpreting() -> bool:

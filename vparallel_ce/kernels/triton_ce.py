@@ -7,6 +7,11 @@ r"""Triton kernels for the two per-chunk steps of :mod:`vparallel_ce.stats`.
 * :func:`grad_logits_` -- the same, written over the logits (the op must own that buffer: the
   ``linear_cross_entropy`` schedules' per-chunk logits are temporaries). Each element is read and
   then written by the same program at the same address, so in place is race-free.
+* :func:`loss_stats_grad_` -- both, for a rank holding the whole vocab (no exchange between them):
+  one kernel reads a row for its statistics and writes the loss' gradient over it (for an upstream
+  gradient of 1), re-reading the row mostly from L2.
+* :func:`scale_rows` -- ``g * x`` with the product in fp32 (the upstream gradient applied to a
+  gradient made for 1).
 
 Same signatures and semantics as the torch reference (softcap, label smoothing, z-loss, ignored
 rows via ``gscale == 0``, empty shards of width 0). Inputs the kernels do not cover (fp64, CPU
@@ -24,7 +29,7 @@ import triton.language as tl
 from .. import stats
 from . import interpreting
 
-__all__ = ["OPS", "local_stats", "grad_logits", "grad_logits_"]
+__all__ = ["OPS", "local_stats", "grad_logits", "grad_logits_", "loss_stats_grad_", "scale_rows"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -53,12 +58,10 @@ def _z(x, cap, inv_cap, inv_t, HAS_CAP: tl.constexpr, HAS_T: tl.constexpr):
 
 
 @triton.jit
-def _stats_kernel(
-    X, stride_x, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, cap, inv_cap, inv_t,
-    HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, SMOOTH: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    base = X + row * stride_x
+def _row_stats(base, W, cap, inv_cap, inv_t, HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, SMOOTH: tl.constexpr,
+               ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's ``(max, sum exp(z - max), sum exp(z - max) (z - max), sum z)`` in one read
+    (online softmax in fp32; the last two are 0 unless ``ENTROPY`` / ``SMOOTH``)."""
     cols = tl.arange(0, BLOCK)
     m = float("-inf")
     s = 0.0
@@ -80,43 +83,24 @@ def _stats_kernel(
             e += tl.sum(tl.where(p > 0, p * (z - m_new), 0.0), axis=0)  # padding / -inf logits: 0
         s = s * alpha + tl.sum(p, axis=0)
         m = m_new
-    t = tl.load(T + row)
-    own = tl.load(OWN + row) != 0
-    xt = _z(tl.load(base + t).to(tl.float32), cap, inv_cap, inv_t, HAS_CAP, HAS_T)
-    tl.store(MAX + row, m)
-    tl.store(SUMEXP + row, s)
-    tl.store(TGT + row, tl.where(own, xt, 0.0))
-    if SMOOTH:
-        tl.store(SUM + row, tl.sum(tot, axis=0))
-    else:
-        tl.store(SUM + row, 0.0)
-    if ENTROPY:
-        tl.store(ZEXP + row, e)
+    return m, s, e, tl.sum(tot, axis=0)
 
 
 @triton.jit
-def _grad_kernel(
-    X, stride_x, D, stride_d, T, OWN, SHIFT, CA, CB, CC, CD, W, cap, inv_cap, inv_t, t_over_cap,
-    HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, HAS_B: tl.constexpr, HAS_D: tl.constexpr, BLOCK: tl.constexpr,
-):
-    # d obj/d z_j = e^{u_j} (a + b u_j) - c [j == t] - d with u_j = z_j - m, then the softcap /
-    # temperature chain (stats.GradCoefs)
-    row = tl.program_id(0).to(tl.int64)
-    xb = X + row * stride_x
-    db = D + row * stride_d
+def _row_grad(xb, db, W, t, shift, a, b, sub, hit, cap, inv_cap, inv_t, t_over_cap, HAS_CAP: tl.constexpr,
+              HAS_T: tl.constexpr, HAS_B: tl.constexpr, HAS_D: tl.constexpr, BLOCK: tl.constexpr,
+              REVERSE: tl.constexpr):
+    """One row's ``d obj/d x``: ``d obj/d z_j = e^{u_j} (a + b u_j) - hit [j == t] - sub`` with
+    ``u_j = z_j - shift``, then the softcap / temperature chain (:class:`stats.GradCoefs`).
+    ``REVERSE``: walk the row from its end (right after a statistics walk, its last tiles are the
+    ones still in cache)."""
     cols = tl.arange(0, BLOCK)
-    shift = tl.load(SHIFT + row).to(tl.float32)
-    a = tl.load(CA + row).to(tl.float32)
-    b = 0.0
-    if HAS_B:
-        b = tl.load(CB + row).to(tl.float32)
-    sub = 0.0
-    if HAS_D:
-        sub = tl.load(CD + row).to(tl.float32)
-    t = tl.load(T + row)
-    hit = tl.where(tl.load(OWN + row) != 0, tl.load(CC + row).to(tl.float32), 0.0)
-    for start in range(0, W, BLOCK):
-        idx = start + cols
+    n_tiles = tl.cdiv(W, BLOCK)
+    for i in range(0, n_tiles):
+        if REVERSE:
+            idx = (n_tiles - 1 - i) * BLOCK + cols
+        else:
+            idx = i * BLOCK + cols
         mask = idx < W
         z = _z(tl.load(xb + idx, mask=mask, other=0.0).to(tl.float32), cap, inv_cap, inv_t, HAS_CAP, HAS_T)
         u = z - shift
@@ -132,7 +116,86 @@ def _grad_kernel(
             d = d * (1.0 - r * r)
         if HAS_T:
             d = d * inv_t
-        tl.store(db + idx, d.to(D.dtype.element_ty), mask=mask)
+        tl.store(db + idx, d.to(db.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_row_stats(base, row, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, cap, inv_cap, inv_t, HAS_CAP: tl.constexpr,
+                     HAS_T: tl.constexpr, SMOOTH: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
+    """A row's :class:`stats.ChunkStats` stored (the target logit read where the row owns it);
+    returns ``(max, sumexp, target id, owned)``."""
+    m, s, e, tot = _row_stats(base, W, cap, inv_cap, inv_t, HAS_CAP, HAS_T, SMOOTH, ENTROPY, BLOCK)
+    t = tl.load(T + row)
+    own = tl.load(OWN + row) != 0
+    xt = _z(tl.load(base + t).to(tl.float32), cap, inv_cap, inv_t, HAS_CAP, HAS_T)
+    tl.store(MAX + row, m)
+    tl.store(SUMEXP + row, s)
+    tl.store(TGT + row, tl.where(own, xt, 0.0))
+    tl.store(SUM + row, tot)
+    if ENTROPY:
+        tl.store(ZEXP + row, e)
+    return m, s, t, own
+
+
+@triton.jit
+def _stats_kernel(
+    X, stride_x, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, cap, inv_cap, inv_t,
+    HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, SMOOTH: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    _store_row_stats(X + row * stride_x, row, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, cap, inv_cap, inv_t, HAS_CAP,
+                     HAS_T, SMOOTH, ENTROPY, BLOCK)
+
+
+@triton.jit
+def _grad_kernel(
+    X, stride_x, D, stride_d, T, OWN, SHIFT, CA, CB, CC, CD, W, cap, inv_cap, inv_t, t_over_cap,
+    HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, HAS_B: tl.constexpr, HAS_D: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = 0.0
+    if HAS_B:
+        b = tl.load(CB + row).to(tl.float32)
+    sub = 0.0
+    if HAS_D:
+        sub = tl.load(CD + row).to(tl.float32)
+    hit = tl.where(tl.load(OWN + row) != 0, tl.load(CC + row).to(tl.float32), 0.0)
+    _row_grad(X + row * stride_x, D + row * stride_d, W, tl.load(T + row), tl.load(SHIFT + row).to(tl.float32),
+              tl.load(CA + row).to(tl.float32), b, sub, hit, cap, inv_cap, inv_t, t_over_cap, HAS_CAP, HAS_T, HAS_B,
+              HAS_D, BLOCK, False)
+
+
+@triton.jit
+def _loss_grad_kernel(
+    X, stride_x, T, OWN, R, MAX, SUMEXP, TGT, SUM, W, cap, inv_cap, inv_t, t_over_cap, zl, keep_t, eps_v,
+    HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # stats.loss_stats_grad_: the row's statistics, its loss coefficients for the weight r
+    # (stats.loss_grad_coefs: a = r (1 + 2 zl lse) / S, c = r (1 - eps), d = r eps / V), then its
+    # gradient written over it -- the target logit is read before that
+    row = tl.program_id(0).to(tl.int64)
+    base = X + row * stride_x
+    m, s, t, own = _store_row_stats(base, row, T, OWN, MAX, SUMEXP, TGT, SUM, SUM, W, cap, inv_cap, inv_t, HAS_CAP,
+                                    HAS_T, SMOOTH, False, BLOCK)
+    r = tl.load(R + row).to(tl.float32)
+    a = r
+    if ZLOSS:
+        a = r * (1.0 + 2.0 * zl * (m + tl.log(s)))
+    _row_grad(base, base, W, t, m, a / s, 0.0, r * eps_v, tl.where(own, r * keep_t, 0.0), cap, inv_cap, inv_t,
+              t_over_cap, HAS_CAP, HAS_T, False, SMOOTH, BLOCK, True)
+
+
+@triton.jit
+def _scale_rows_kernel(X, stride_x, O, stride_o, G, n, PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    if PER_ROW:
+        g = tl.load(G + row).to(tl.float32)
+    else:
+        g = tl.load(G).to(tl.float32)
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(O + row * stride_o + cols, (x * g).to(O.dtype.element_ty), mask=mask)
 
 
 def _launch_cfg(width: int, elt: int):
@@ -217,4 +280,43 @@ def grad_logits_(x, local_target, owned, shift, coefs, spec) -> torch.Tensor:
     return _grad(x, x, local_target, owned, shift, coefs, spec)
 
 
-OPS = SimpleNamespace(name="triton", local_stats=local_stats, grad_logits=grad_logits, grad_logits_=grad_logits_)
+def loss_stats_grad_(x, local_target, owned, weights, spec, *, block: int | None = None,
+                     warps: int | None = None) -> stats.ChunkStats:
+    """Drop-in for :func:`vparallel_ce.stats.loss_stats_grad_`: one program per row reads it for
+    the statistics, then walks it back from its end (the tiles last read are the ones most likely
+    still in L2) writing the gradient over it. ``block`` / ``warps``: the launch (default: the
+    gradient pass's, 4096 x 8 warps in 16-bit, the fastest of an H200 sweep at all four benchmark
+    shapes but the odd vocab's, docs/kernels.md)."""
+    c, width = x.shape if x.dim() == 2 else (0, 0)
+    if not _covered(x) or spec.entropy or x.stride(-1) != 1 or width == 0 or c == 0:
+        return stats.loss_stats_grad_(x, local_target, owned, weights, spec)
+    f32 = dict(dtype=torch.float32, device=x.device)
+    m, se, tg, sm = (torch.empty(c, **f32) for _ in range(4))
+    own = owned.contiguous().view(torch.int8) if owned.dtype == torch.bool else owned.contiguous()
+    args, flags = _transform_args(spec)
+    eps = float(spec.label_smoothing)
+    dflt_block, dflt_warps = _launch_cfg(width, x.element_size())
+    _loss_grad_kernel[(c,)](
+        x, x.stride(0), local_target.contiguous(), own, weights.to(torch.float32).contiguous(), m, se, tg, sm, width,
+        args["cap"], args["inv_cap"], args["inv_t"], float(spec.temperature) / args["cap"], float(spec.z_loss),
+        1.0 - eps, eps / spec.vocab_size, SMOOTH=eps > 0, ZLOSS=spec.z_loss > 0, BLOCK=block or dflt_block,
+        num_warps=warps or dflt_warps, **flags,
+    )
+    return stats.ChunkStats(m, se, tg, sm, None)
+
+
+def scale_rows(x: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Drop-in for :func:`vparallel_ce.stats.scale_rows` (one launch, the product in fp32)."""
+    out = torch.empty_like(x) if out is None else out
+    if not (_covered(x) and _covered(out)) or x.stride(-1) != 1 or out.stride(-1) != 1 or x.numel() == 0 \
+            or g.device != x.device or g.numel() not in (1, x.shape[0]):
+        return stats.scale_rows(x, g, out)
+    block = min(triton.next_power_of_2(max(x.shape[1], 16)), 2048)
+    _scale_rows_kernel[(x.shape[0], triton.cdiv(x.shape[1], block))](
+        x, x.stride(0), out, out.stride(0), g.contiguous(), x.shape[1], PER_ROW=g.dim() > 0, BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+OPS = SimpleNamespace(name="triton", local_stats=local_stats, grad_logits=grad_logits, grad_logits_=grad_logits_,
+                      loss_stats_grad_=loss_stats_grad_, scale_rows=scale_rows)
