@@ -210,6 +210,10 @@ def _bad_calls(rank, world, group):
         "ranks pass different tokens": lambda: vparallel_ce.cross_entropy(
             x, target if rank else (target + 1) % 13, group=group),
         "ranks pass different chunks": lambda: vparallel_ce.cross_entropy(x, target, group=group, chunks=1 + rank),
+        "ranks pass different reductions": lambda: vparallel_ce.cross_entropy(
+            x, target, group=group, reduction="sum" if rank else "mean"),
+        "ranks pass different policies": lambda: vparallel_ce.cross_entropy(
+            x, target, group=group, policy=vparallel_ce.ChunkPolicy(budget_bytes=4096 * (rank + 1))),
         "full logits on every rank": lambda: vparallel_ce.cross_entropy(
             logits.float(), target, group=group, vocab_size=13),
     }
@@ -234,6 +238,8 @@ EXPECTED_MESSAGES = {
     "vocab_size does not add up": "add up to",
     "ranks pass different tokens": "disagree on target checksum",
     "ranks pass different chunks": "disagree on chunks option",
+    "ranks pass different reductions": "disagree on reduction",
+    "ranks pass different policies": "disagree on chunk policy",
     "full logits on every rank": "add up to",
 }
 

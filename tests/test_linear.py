@@ -380,6 +380,22 @@ def test_on_a_group_the_statistics_are_exchanged_before_the_gradient_pass():
         assert calls == {"local_stats": 1, "grad_logits": 1}, calls
 
 
+def _policy_mismatch_rank(rank, world):
+    hidden, weight, _, target = make_case(20, tokens=(4, 16), vocab=64, bias=False)
+    try:  # a budget from each rank's own free memory, say: the chunk counts would differ and hang
+        vparallel_ce.linear_cross_entropy(hidden, shard(weight, world, rank, 0), target,
+                                          policy=vparallel_ce.ChunkPolicy(budget_bytes=(rank + 1) << 10),
+                                          group=torch.distributed.group.WORLD)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_with_different_chunk_policies_get_an_error_on_every_rank_not_a_hang():
+    for error in run_ranks(_policy_mismatch_rank, 2, timeout=120):
+        assert error is not None and "disagree on chunk policy" in error, error
+
+
 def _bad_target_rank(rank, world):
     hidden, weight, _, target = make_case(17, tokens=(4, 16), vocab=64)
     target[2, 3] = 64  # replicated over the group, as the op requires

@@ -20,6 +20,7 @@ user arguments again.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass, field
 
@@ -28,7 +29,7 @@ import torch
 from . import comm, kernels, policy as _policy
 from .layout import VocabLayout
 from .policy import Plan
-from .stats import LossSpec
+from .stats import REDUCTIONS, LossSpec
 from .validate import agree, check_linear, check_logits, check_options, DeferredTargetCheck, SCHEDULES
 
 __all__ = ["Call", "LogitsInputs", "LinearInputs", "logits_call", "linear_call", "autocast_dtype", "is_dtensor", "local"]
@@ -100,7 +101,8 @@ def logits_call(logits, target, *, group, vocab_size, reduction, chunks, check, 
     group = comm.resolve_group(group)
     problem = check_options(reduction=reduction, chunks=chunks, **loss_options) or check_logits(logits, target)
     facts = {"token count": lambda: target.numel(), "chunks option": lambda: _chunk_code(chunks),
-             "target checksum": lambda: target.sum(), "loss options": lambda: _options_code(loss_options)}
+             "target checksum": lambda: target.sum(), "loss options": lambda: _options_code(loss_options),
+             "reduction": lambda: _reduction_code(reduction), "chunk policy": lambda: _policy_code(policy)}
     lay, pending = agree(problem, group, local_size=lambda: logits.shape[-1], facts=facts, device=_device(logits),
                          vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options))
     n = target.numel()
@@ -134,6 +136,8 @@ def linear_call(hidden, weight, target, bias, *, group, sequence_parallel, vocab
         "hidden size": lambda: weight.shape[-1],
         "sequence_parallel": lambda: int(sp),
         "loss options": lambda: _options_code(loss_options),
+        "reduction": lambda: _reduction_code(reduction),
+        "chunk policy": lambda: _policy_code(policy),
     }
     if not sp:  # with sequence parallelism every rank holds other tokens
         facts["token count"] = lambda: target.numel()
@@ -178,6 +182,17 @@ def _ignore_index(options: dict) -> int:
 def _options_code(options: dict) -> int:
     """The math options as one integer the ranks compare (a CRC of their sorted repr)."""
     return zlib.crc32(repr(sorted((k, None if v is None else float(v)) for k, v in options.items())).encode())
+
+
+def _reduction_code(reduction) -> int:
+    return REDUCTIONS.index(reduction)
+
+
+def _policy_code(policy) -> int:
+    """The chunk policy as one integer (a CRC of its fields): ranks whose policies differ (say, a
+    budget from each rank's free memory) would plan different chunk counts and deadlock in the
+    per-chunk collectives."""
+    return zlib.crc32(repr(dataclasses.astuple(policy or _policy.DEFAULT_POLICY)).encode())
 
 
 def _chunk_code(chunks) -> int:

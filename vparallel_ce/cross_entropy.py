@@ -15,6 +15,7 @@ import torch
 
 from . import kernels
 from .call import Call, logits_call
+from .policy import ChunkPolicy
 from .stats import (
     GradCoefs, TokenStats, combine, local_targets, reduce, scale_coefs, token_loss, token_slices, unit_loss_coefs,
 )
@@ -34,6 +35,7 @@ def cross_entropy(
     z_loss: float = 0.0,
     softcap: float | None = None,
     chunks: int | str = "auto",
+    policy: ChunkPolicy | None = None,
     check: bool = True,
 ) -> torch.Tensor:
     r"""Cross-entropy of logits whose vocab dim is sharded over ``group``.
@@ -50,6 +52,8 @@ def cross_entropy(
         z_loss: adds ``z_loss * logsumexp(logits)**2`` per non-ignored token (PaLM).
         softcap: if set, ``logits -> softcap * tanh(logits / softcap)`` first (Gemma-2).
         chunks: number of token chunks, or ``"auto"`` (:func:`vparallel_ce.policy.choose_chunks`).
+        policy: a :class:`vparallel_ce.policy.ChunkPolicy` for ``chunks="auto"`` (its budget); the
+            same on every rank of the group (checked).
         check: exchange shard sizes/options across the group and check that every valid target id
             lies in ``[0, V)``, raising on every rank (one host sync per call). ``False`` skips both;
             then ``vocab_size`` (or a DTensor) must tell ``V``, and an out-of-range id gives a
@@ -62,8 +66,8 @@ def cross_entropy(
         of the gradient of that one loss, in the logits' dtype.
     """
     call, inp = logits_call(logits, target, group=group, vocab_size=vocab_size, reduction=reduction, chunks=chunks,
-                            check=check, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-                            softcap=softcap)
+                            check=check, policy=policy, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                            z_loss=z_loss, softcap=softcap)
     out = _CrossEntropy.apply(inp.x, inp.target, call)
     return out.reshape(inp.shape) if reduction == "none" else out
 

@@ -26,6 +26,7 @@ from . import kernels
 from .call import Call, linear_call, logits_call
 from .cross_entropy import logits_gradient, logits_statistics
 from .linear import Grads, Schedule, matmul_inputs, take_kept
+from .policy import ChunkPolicy
 from .stats import compute_dtype, logprob_grad_coefs
 
 __all__ = ["token_logprobs", "linear_token_logprobs"]
@@ -41,6 +42,7 @@ def token_logprobs(
     ignore_index: int = -100,
     with_entropy: bool = False,
     chunks: int | str = "auto",
+    policy: ChunkPolicy | None = None,
     check: bool = True,
 ):
     r"""``log_softmax(logits / temperature)[target]`` per token, from logits sharded along the vocab.
@@ -52,14 +54,15 @@ def token_logprobs(
             a value (their outputs and gradients are 0).
         temperature: ``T > 0``; the distribution is ``softmax(logits / T)``.
         with_entropy: also return the entropy of that distribution per token.
-        group, vocab_size, chunks, check: as in :func:`vparallel_ce.cross_entropy`.
+        group, vocab_size, chunks, policy, check: as in :func:`vparallel_ce.cross_entropy`.
 
     Returns:
         ``logprobs`` of ``target``'s shape, fp32 (fp64 for fp64 logits); with ``with_entropy`` the
         pair ``(logprobs, entropy)``. Equal to ``-cross_entropy(logits / T, target, reduction="none")``.
     """
     call, inp = logits_call(logits, target, group=group, vocab_size=vocab_size, reduction="none", chunks=chunks,
-                            check=check, entropy=with_entropy, ignore_index=ignore_index, temperature=temperature)
+                            check=check, policy=policy, entropy=with_entropy, ignore_index=ignore_index,
+                            temperature=temperature)
     logp, entropy = _TokenLogprobs.apply(inp.x, inp.target, call)
     logp = logp.reshape(inp.shape)
     return (logp, entropy.reshape(inp.shape)) if with_entropy else logp
@@ -78,6 +81,7 @@ def linear_token_logprobs(
     ignore_index: int = -100,
     with_entropy: bool = False,
     chunks: int | str = "auto",
+    policy: ChunkPolicy | None = None,
     check: bool = True,
 ):
     r""":func:`token_logprobs` of ``hidden @ weight.T + bias`` without materialising the
@@ -90,6 +94,7 @@ def linear_token_logprobs(
             this rank's tokens (``target`` is split like ``hidden``).
         temperature, ignore_index, with_entropy, check: as in :func:`token_logprobs`.
         chunks: token chunks (an int) or ``"auto"`` (the policy, which may walk vocab blocks).
+        policy: as in :func:`vparallel_ce.linear_cross_entropy`.
 
     Returns:
         As :func:`token_logprobs`: fp32 (fp64 for fp64 inputs) per-token values of ``target``'s
@@ -98,7 +103,7 @@ def linear_token_logprobs(
     """
     call, inp = linear_call(hidden, weight, target, bias, group=group, sequence_parallel=sequence_parallel,
                             vocab_size=vocab_size, reduction="none", chunks=chunks, schedule="auto", recompute=None,
-                            policy=None, check=check, entropy=with_entropy, ignore_index=ignore_index,
+                            policy=policy, check=check, entropy=with_entropy, ignore_index=ignore_index,
                             temperature=temperature)
     logp, entropy = _LinearTokenLogprobs.apply(inp.h, inp.w, inp.b, inp.target, call)
     logp = logp.reshape(inp.shape)

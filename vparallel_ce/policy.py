@@ -189,7 +189,10 @@ class ChunkPolicy:
         elif keep:
             gif = False
             why.append("one token chunk: its logits are kept from forward and the gradients made from them in "
-                       "backward, scaled by the upstream gradient there (3 matmuls)")
+                       "backward, scaled by the upstream gradient there (3 matmuls)" + (
+                           "; with the whole vocab on this rank the statistics' kernel already turns them into "
+                           "the gradient for an upstream gradient of 1, and the backward scales h and dh"
+                           if tp_degree == 1 else ""))
         elif reduction == "none":
             gif = False
             why.append("reduction='none': the upstream gradient is known only in backward, so recompute")
