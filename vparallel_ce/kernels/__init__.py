@@ -75,20 +75,19 @@ def fused_applies(device, dtype, *, entropy: bool = False, temperature: float = 
     """Whether ``linear_cross_entropy`` runs the fused GEMM kernels for lm_head operands of this
     device and matmul dtype (what the policy plans with): bf16/fp16 on a CUDA GPU with tensor
     cores (sm80+) and Triton, unless ``VPARALLEL_CE_KERNELS=torch`` or ``VPARALLEL_CE_FUSED=0``;
-    not for the log-prob ops' temperature / entropy statistic."""
+    not for the log-prob ops' temperature / entropy statistic. The rule of
+    :func:`.fused_linear.schedule_covers`, for a device and dtype instead of tensors."""
     import torch
 
-    if entropy or temperature != 1.0 or os.environ.get("VPARALLEL_CE_FUSED", "1") == "0":
-        return False
-    choice = os.environ.get("VPARALLEL_CE_KERNELS", "auto")
-    if choice == "torch" or dtype not in (torch.bfloat16, torch.float16):
+    if os.environ.get("VPARALLEL_CE_FUSED", "1") == "0" or os.environ.get("VPARALLEL_CE_KERNELS", "auto") == "torch":
         return False
     device = torch.device(device)
     if device.type != "cuda" or _triton_ops(True) is None:
         return False
-    from .fused_linear import _capability  # cached per device: this runs on every call
+    from .fused_linear import SCHEDULE_DTYPES, _capability, takes_options  # _capability: cached per device
 
-    return _capability(device) >= (8, 0)
+    return (dtype in SCHEDULE_DTYPES and takes_options(entropy=entropy, temperature=temperature)
+            and _capability(device) >= (8, 0))
 
 
 def target_span(target, ignore_index: int):

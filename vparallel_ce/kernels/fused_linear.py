@@ -47,8 +47,8 @@ try:  # Triton >= 3.3
 except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
-__all__ = ["TileConfig", "DEFAULT_CONFIGS", "covered", "schedule_covers", "linear_stats", "linear_stats_keep",
-           "linear_grad_logits"]
+__all__ = ["TileConfig", "DEFAULT_CONFIGS", "SCHEDULE_DTYPES", "covered", "takes_options", "schedule_covers",
+           "linear_stats", "linear_stats_keep", "linear_grad_logits"]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 SCHEDULES = ("tiles", "persistent", "ws")
@@ -425,19 +425,28 @@ def _check_bias(b, w):
     return None if b is None else b.contiguous()
 
 
+# On a GPU the schedules take the fused kernels for 16-bit operands only: an fp32 GEMM stays with cuBLAS.
+SCHEDULE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def takes_options(*, entropy: bool, temperature: float) -> bool:
+    """Whether the statistics epilogue carries a call's options: softcap, smoothing and z-loss do;
+    the log-prob ops' temperature and entropy statistic take the reference path for now."""
+    return temperature == 1.0 and not entropy
+
+
 def _stats_fused(h, w, spec) -> bool:
-    # the statistics epilogue carries softcap, smoothing and z-loss; temperature and the entropy
-    # statistic (the log-prob ops) take the reference path for now
-    return _fused(h, w) and spec.temperature == 1.0 and not spec.entropy
+    return _fused(h, w) and takes_options(entropy=spec.entropy, temperature=spec.temperature)
 
 
 def schedule_covers(h, w, spec) -> bool:
     """Whether ``linear_cross_entropy``'s schedules should take these kernels for ``h``, ``w``: both
     of them fused (no reference fallback that would materialise the logits of the whole shard),
-    and on a GPU only 16-bit operands (an fp32 GEMM stays with cuBLAS)."""
+    and on a GPU only :data:`SCHEDULE_DTYPES` (:func:`vparallel_ce.kernels.fused_applies` is the
+    same rule before the tensors exist)."""
     if not _stats_fused(h, w, spec):
         return False
-    return _interpreting() or h.dtype in (torch.bfloat16, torch.float16)
+    return _interpreting() or h.dtype in SCHEDULE_DTYPES
 
 
 def linear_stats(h, w, b, local_t, owned, spec, *, config: TileConfig | None = None) -> stats.ChunkStats:
