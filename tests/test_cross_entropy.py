@@ -214,6 +214,8 @@ def _bad_calls(rank, world, group):
             x, target, group=group, reduction="sum" if rank else "mean"),
         "ranks pass different policies": lambda: vparallel_ce.cross_entropy(
             x, target, group=group, policy=vparallel_ce.ChunkPolicy(budget_bytes=4096 * (rank + 1))),
+        "policy is not a ChunkPolicy": lambda: vparallel_ce.cross_entropy(
+            x, target, group=group, policy=None if rank else {"budget_bytes": 4096}),
         "full logits on every rank": lambda: vparallel_ce.cross_entropy(
             logits.float(), target, group=group, vocab_size=13),
     }
@@ -240,6 +242,7 @@ EXPECTED_MESSAGES = {
     "ranks pass different chunks": "disagree on chunks option",
     "ranks pass different reductions": "disagree on reduction",
     "ranks pass different policies": "disagree on chunk policy",
+    "policy is not a ChunkPolicy": "",
     "full logits on every rank": "add up to",
 }
 
@@ -254,6 +257,8 @@ def test_bad_input_raises_a_clear_error_on_every_rank(world):
     # the rank with the bad input names the problem; the others point at it
     assert "target shape" in results[1]["only rank 1 has a bad shape"]
     assert "rank(s) [1]" in results[0]["only rank 1 has a bad shape"]
+    assert "policy must be a vparallel_ce.ChunkPolicy" in results[0]["policy is not a ChunkPolicy"]
+    assert "rank(s) [0]" in results[1]["policy is not a ChunkPolicy"]
 
 
 def dtensor_bad_rank(rank, world):

@@ -99,7 +99,8 @@ def logits_call(logits, target, *, group, vocab_size, reduction, chunks, check, 
     statistics carry the entropy too."""
     logits, target, group, vocab_size = _unwrap_logits(logits, target, group, vocab_size)
     group = comm.resolve_group(group)
-    problem = check_options(reduction=reduction, chunks=chunks, **loss_options) or check_logits(logits, target)
+    problem = check_options(reduction=reduction, chunks=chunks, policy=policy, **loss_options) or check_logits(
+        logits, target)
     facts = {"token count": lambda: target.numel(), "chunks option": lambda: _chunk_code(chunks),
              "target checksum": lambda: target.sum(), "loss options": lambda: _options_code(loss_options),
              "reduction": lambda: _reduction_code(reduction), "chunk policy": lambda: _policy_code(policy)}
@@ -120,7 +121,7 @@ def linear_call(hidden, weight, target, bias, *, group, sequence_parallel, vocab
     vocab_size = vocab_size if dt_vocab is None else dt_vocab
     group = comm.resolve_group(group)
     amp = autocast_dtype(weight.device) if isinstance(weight, torch.Tensor) else None
-    problem = check_options(reduction=reduction, chunks=chunks, schedule=schedule, recompute=recompute,
+    problem = check_options(reduction=reduction, chunks=chunks, schedule=schedule, recompute=recompute, policy=policy,
                             **loss_options) or check_linear(hidden, weight, target, bias, autocast_dtype=amp)
     sp = bool(sequence_parallel)
 

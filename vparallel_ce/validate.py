@@ -19,6 +19,7 @@ import torch
 
 from . import comm, kernels
 from .layout import VocabLayout, shard_sizes
+from .policy import ChunkPolicy
 from .stats import REDUCTIONS
 
 __all__ = [
@@ -93,6 +94,7 @@ def check_options(**options) -> Problem | None:
         "chunks": (lambda v: v == "auto" or (_is_int(v) and v >= 1), "an int >= 1 or 'auto'"),
         "schedule": (lambda v: v in SCHEDULES, f"one of {SCHEDULES}"),
         "recompute": (lambda v: v is None or isinstance(v, bool), "True, False or None"),
+        "policy": (lambda v: v is None or isinstance(v, ChunkPolicy), "a vparallel_ce.ChunkPolicy or None"),
     }
     for name, value in options.items():
         ok, wanted = checks[name]
