@@ -349,13 +349,14 @@ class Schedule:
         # logits took its statistics from cuBLAS's bf16 logits, and a second backward of its graph
         # (kept logits used up) must recompute the same bf16 logits, not the fp32 accumulator's.
         fused = not kept and not call.plan.keep_logits and self.fused(ops, call, h_c, w)
+        if fused:  # the chunk's kernel arguments made once, not per block
+            grad_of = ops.linear_grad_logits_for(h_c, local_t, owned, shift, coefs, call.spec)
         for i, blk in enumerate(self.blocks):
             if blk.stop == blk.start:
                 continue
             w_blk, b_blk = _part(w, blk), None if b is None else _part(b, blk)
             if fused:  # the recomputed logits only ever exist as tiles in the GEMM's registers
-                dx = ops.linear_grad_logits(h_c, w_blk, b_blk, local_t, owned, shift, coefs, call.spec,
-                                            col_offset=blk.start)
+                dx = grad_of(w_blk, b_blk, col_offset=blk.start)
             else:
                 idx, in_blk = _in_block(local_t, owned, blk, call.layout.local_size)
                 x = kept[i] if kept else F.linear(h_c, w_blk, b_blk)

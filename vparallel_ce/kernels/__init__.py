@@ -3,7 +3,7 @@
 ``ops_for(tensor)`` returns an object with ``local_stats``, ``grad_logits``, ``loss_stats_grad_``
 and ``scale_rows`` of exactly the signatures in :mod:`vparallel_ce.stats`. The torch versions there
 are the reference and the CPU path; fused CUDA kernels (Triton) replace them on GPU when available. The Triton ops also carry
-``linear_stats`` / ``linear_grad_logits`` (:mod:`.fused_linear`: the lm_head GEMM with either step
+``linear_stats`` / ``linear_grad_logits_for`` (:mod:`.fused_linear`: the lm_head GEMM with either step
 in its epilogue), which ``linear_cross_entropy`` uses wherever it would recompute logits, where
 ``fused_covers(h, w, spec)`` is true. Set ``VPARALLEL_CE_KERNELS=torch`` to force the reference
 path, ``VPARALLEL_CE_FUSED=0`` to keep cuBLAS + the row passes.
@@ -37,11 +37,11 @@ def _triton_ops(fused: bool):
     # the row passes, plus the lm_head GEMM fused with each of them (linear_cross_entropy's
     # recomputed logits): ``fused_covers(h, w, spec)`` says where the GEMM kernels take the inputs.
     # Built once per set of kernel functions (this runs on every call; tests swap the functions)
-    key = (fused_linear.schedule_covers, fused_linear.linear_stats, fused_linear.linear_grad_logits)
+    key = (fused_linear.schedule_covers, fused_linear.linear_stats, fused_linear.GradLogits)
     if _FUSED_OPS.get("key") != key:
         _FUSED_OPS["key"] = key
         _FUSED_OPS["ops"] = SimpleNamespace(**{**vars(triton_ce.OPS), "name": "triton+fused"}, fused_covers=key[0],
-                                            linear_stats=key[1], linear_grad_logits=key[2])
+                                            linear_stats=key[1], linear_grad_logits_for=key[2])
     return _FUSED_OPS["ops"]
 
 

@@ -48,7 +48,7 @@ except ImportError:  # pragma: no cover
     TensorDescriptor = None
 
 __all__ = ["TileConfig", "DEFAULT_CONFIGS", "SCHEDULE_DTYPES", "covered", "takes_options", "schedule_covers",
-           "linear_stats", "linear_stats_keep", "linear_grad_logits"]
+           "linear_stats", "linear_stats_keep", "linear_grad_logits", "GradLogits"]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 SCHEDULES = ("tiles", "persistent", "ws")
@@ -326,7 +326,7 @@ def _tma_ok(t: torch.Tensor) -> bool:
 class _Launch:
     """What the two GEMM kernels share: operand descriptors or pointers, grid, compile options."""
 
-    def __init__(self, h, w, cfg: TileConfig):
+    def __init__(self, h, w, cfg: TileConfig, h_descs: dict | None = None):
         if h.stride(1) != 1:
             h = h.contiguous()
         if w.stride(1) != 1:
@@ -349,7 +349,13 @@ class _Launch:
         self.c, self.V, self.K = h.shape[0], w.shape[0], h.shape[1]
         bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
         if self.tma:
-            self.h_arg = TensorDescriptor(h, [self.c, self.K], [h.stride(0), 1], [bm, bk])
+            # h's descriptor: one per box shape, shared by the blocks of a chunk (h_descs)
+            key = (bm, bk)
+            self.h_arg = None if h_descs is None else h_descs.get(key)
+            if self.h_arg is None:
+                self.h_arg = TensorDescriptor(h, [self.c, self.K], [h.stride(0), 1], [bm, bk])
+                if h_descs is not None:
+                    h_descs[key] = self.h_arg
             self.w_arg = TensorDescriptor(w, [self.V, self.K], [w.stride(0), 1], [bn, bk])
         else:
             self.h_arg, self.w_arg = h, w
@@ -465,32 +471,57 @@ def linear_stats_keep(h, w, b, local_t, owned, spec, *, config: TileConfig | Non
     return _stats(h, w, _check_bias(b, w), local_t, owned, spec, True, config)
 
 
+class GradLogits:
+    """:func:`linear_grad_logits` for the vocab blocks of one chunk: ``grad(w_b, b_b, col_offset)``
+    per block. What depends only on the chunk -- its rows' targets and coefficients in the
+    kernel's dtypes, ``h``'s tensor descriptor -- is made once, so each block costs the host little
+    more than its launch (a schedule of narrow blocks is host-bound)."""
+
+    def __init__(self, h, local_t, owned, shift, coefs, spec, *, config: TileConfig | None = None):
+        self.h = h if h.dim() != 2 or h.stride(1) == 1 else h.contiguous()
+        self.local_t, self.owned, self.shift, self.coefs, self.spec = local_t, owned, shift, coefs, spec
+        self.cfg = config or DEFAULT_CONFIGS["grad"]
+        self.args = None  # the kernel's per-row arguments, made with the first fused block
+        self.h_descs: dict = {}
+
+    def _row_args(self) -> tuple:
+        if self.args is None:
+            def f32(t):
+                return t.to(torch.float32).contiguous()
+
+            co = self.coefs
+            a = f32(co.a)
+            self.args = (self.local_t.contiguous(), _int8(self.owned), f32(self.shift), a,
+                         a if co.b is None else f32(co.b), f32(co.c), a if co.d is None else f32(co.d))
+        return self.args
+
+    def __call__(self, w, b=None, col_offset: int = 0):
+        h, spec, co = self.h, self.spec, self.coefs
+        if not _fused(h, w):  # the reference takes block-relative targets
+            local_t, owned = stats.block_targets(self.local_t, self.owned, col_offset, col_offset + w.shape[0])
+            return stats.grad_logits(F.linear(h, w, b), local_t, owned, self.shift, co, spec)
+        b = _check_bias(b, w)
+        L = _Launch(h, w, self.cfg, self.h_descs)
+        out, d_arg, ld = L.output(h.dtype)
+        cap, inv_cap = _cap(spec)
+        temp = float(spec.temperature)
+        t, own, shift, a, cb, cc, cd = self._row_args()
+        _grad_kernel[(L.n_prog,)](
+            L.h_arg, L.w_arg, d_arg, b if b is not None else a, t, own, shift, a, cb, cc, cd,
+            L.c, L.V, L.K, L.h.stride(0), L.w.stride(0), ld, L.n_prog, int(col_offset), cap, inv_cap, 1.0 / temp,
+            temp / cap,
+            HAS_BIAS=b is not None, HAS_CAP=spec.softcap is not None, HAS_T=temp != 1.0, HAS_B=co.b is not None,
+            HAS_D=co.d is not None, **L.meta,
+        )
+        return out
+
+
 def linear_grad_logits(h, w, b, local_t, owned, shift, coefs, spec, *, col_offset: int = 0,
                        config: TileConfig | None = None):
     """``stats.grad_logits(F.linear(h, w, b), local_t, owned, shift, coefs, spec)`` in ``h``'s dtype,
     the logits recomputed tile by tile and never stored (a ``[c, Vb]`` view, row stride rounded up
     to 16 elements). ``col_offset``: ``w`` is the block of a shard that starts at that column, and
     ``local_t``/``owned`` are relative to the shard (a target outside the block is no hit): a
-    schedule walking vocab blocks passes its chunk's targets unchanged."""
-    if not _fused(h, w):  # the reference takes block-relative targets
-        local_t, owned = stats.block_targets(local_t, owned, col_offset, col_offset + w.shape[0])
-        return stats.grad_logits(F.linear(h, w, b), local_t, owned, shift, coefs, spec)
-    b = _check_bias(b, w)
-    L = _Launch(h, w, config or DEFAULT_CONFIGS["grad"])
-    out, d_arg, ld = L.output(h.dtype)
-    cap, inv_cap = _cap(spec)
-    temp = float(spec.temperature)
-
-    def f32(t):
-        return t.to(torch.float32).contiguous()
-
-    a = f32(coefs.a)
-    _grad_kernel[(L.n_prog,)](
-        L.h_arg, L.w_arg, d_arg, b if b is not None else a, local_t.contiguous(), _int8(owned), f32(shift), a,
-        a if coefs.b is None else f32(coefs.b), f32(coefs.c), a if coefs.d is None else f32(coefs.d),
-        L.c, L.V, L.K, L.h.stride(0), L.w.stride(0), ld, L.n_prog, int(col_offset), cap, inv_cap, 1.0 / temp,
-        temp / cap,
-        HAS_BIAS=b is not None, HAS_CAP=spec.softcap is not None, HAS_T=temp != 1.0, HAS_B=coefs.b is not None,
-        HAS_D=coefs.d is not None, **L.meta,
-    )
-    return out
+    schedule walking vocab blocks passes its chunk's targets unchanged (through
+    :class:`GradLogits`, which makes the per-chunk arguments once)."""
+    return GradLogits(h, local_t, owned, shift, coefs, spec, config=config)(w, b, col_offset)
