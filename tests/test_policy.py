@@ -158,3 +158,43 @@ def test_with_the_fused_kernels_the_vocab_schedule_replaces_token_chunks():
     for f in (False, True):
         plan = choose_plan(8192, LLAMA3_V, 8, hidden_size=4096, fused=f)
         assert (plan.schedule, plan.chunks, plan.keep_logits) == ("token", 1, True)
+
+
+_BENCH_SHAPES = {"llama3_8b": (8192, 4096, 128256), "llama3_8b_tp8": (8192, 4096, 16032),
+                 "gemma": (8192, 2304, 256000), "odd_small": (16384, 768, 32777)}
+
+
+def test_the_memory_model_matches_every_point_measured_on_the_h200():
+    # docs/bench_loss_h200_run7.jsonl: every plan of ours at the four benchmark shapes, bf16, one
+    # GPU; the model (policy.peak_bytes, which explain prints) must be within 1% of each peak
+    import json
+    from pathlib import Path
+
+    from vparallel_ce.policy import Plan, peak_bytes
+
+    rows = [json.loads(line) for line in
+            (Path(__file__).resolve().parents[1] / "docs" / "bench_loss_h200_run7.jsonl").read_text().splitlines()]
+    checked = 0
+    for r in rows:
+        if not r.get("plan"):  # a peer
+            continue
+        schedule, rest = r["plan"].split("x")
+        n, h, v = _BENCH_SHAPES[r["shape"]]
+        model = peak_bytes(Plan(schedule, int(rest.split("/")[0]), rest.endswith("fwd")), n, v, hidden_size=h) / GiB
+        assert abs(model / r["peak_gib"] - 1) < 0.01, (r["shape"], r["method"], r["plan"], model, r["peak_gib"])
+        checked += 1
+    assert checked >= 40
+
+
+def test_explain_gives_the_plans_peak_memory():
+    from vparallel_ce.policy import peak_bytes
+
+    text = explain(16384, 32777, 1, hidden_size=768, fused=True, policy=ChunkPolicy(budget_bytes=96 << 20))
+    plan = choose_plan(16384, 32777, 1, hidden_size=768, fused=True, policy=ChunkPolicy(budget_bytes=96 << 20))
+    assert plan.schedule == "vocab" and plan.chunks == 22
+    assert f"{peak_bytes(plan, 16384, 32777, hidden_size=768) / GiB:.2f} GiB" in text
+    # fp32 gradients (master weights under autocast) and a sharded vocab (dh summed in fp32) cost more
+    one = choose_plan(8192, LLAMA3_V, 1, hidden_size=4096, chunks=1)
+    assert peak_bytes(one, 8192, LLAMA3_V, hidden_size=4096, grad_dtype=torch.float32) > peak_bytes(
+        one, 8192, LLAMA3_V, hidden_size=4096)
+    assert peak_bytes(one, 8192, 8 * 16032, 8, hidden_size=4096) > peak_bytes(one, 8192, 16032, 1, hidden_size=4096)

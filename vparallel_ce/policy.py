@@ -38,9 +38,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .layout import vocab_blocks
+from .layout import aligned_parts, vocab_blocks
 
-__all__ = ["ChunkPolicy", "Plan", "choose_chunks", "choose_plan", "explain", "DEFAULT_POLICY"]
+__all__ = ["ChunkPolicy", "Plan", "choose_chunks", "choose_plan", "explain", "peak_bytes", "DEFAULT_POLICY"]
 
 GiB = 1024**3
 
@@ -264,14 +264,51 @@ def choose_plan(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_
                                            recompute=recompute, fused=fused)
 
 
+def peak_bytes(plan: Plan, num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int,
+               dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype | None = None) -> int:
+    """The memory model of one ``linear_cross_entropy`` call that runs ``plan`` on one rank: its
+    peak allocation over its inputs, the returned ``dh`` and ``dW`` included (what
+    ``launch/bench_loss.py`` measures), for matmul operands of ``dtype`` (``e`` bytes) and gradients
+    of ``grad_dtype`` (``g`` bytes; default ``dtype``; fp32 for fp32 master weights under autocast).
+    With ``N`` tokens, ``V`` the local vocab and ``H`` the hidden size::
+
+        token x1:        max(N V e + dW + dH, dW + dH + dh)     the logits (kept or recomputed), which
+                                                                their gradient overwrites
+        token x k > 1:   AW + AH + max(N/k V e, dW + dh)       fp32 accumulators AW = 4 V H, AH = 4 N H
+        vocab x k:       dW + AH + max(N Vb e, dh)             one block's dx, Vb its width rounded up to 16
+
+    with ``dW = g V H``, ``dh = g N H``, and ``dH = dh`` where one matmul makes ``dh`` (one rank, one
+    aligned part), else ``AH`` (``dh`` summed over vocab parts or ranks in fp32). Run 7 on the H200
+    measured every plan of the four benchmark shapes within 1% of it (``tests/test_policy.py``).
+    Not modelled: sequence parallelism's gathered rows, the fused statistics' partials in forward
+    (``8 N ceil(V / 256)`` bytes, below the backward's peak at the benchmark shapes)."""
+    e = torch.empty((), dtype=dtype).element_size()
+    g = torch.empty((), dtype=grad_dtype or dtype).element_size()
+    n, v, h = num_tokens, local_vocab(vocab_size, tp_degree), hidden_size
+    dw, dh, acc_h = g * v * h, g * n * h, 4 * n * h
+    if plan.schedule == "token" and plan.chunks == 1:
+        direct = tp_degree == 1 and len(aligned_parts(v)) == 1
+        held = dh if direct else acc_h
+        return max(n * v * e + dw + held, dw + held + dh)
+    if plan.schedule == "token":
+        return 4 * v * h + acc_h + max(math.ceil(n / plan.chunks) * v * e, dw + dh)
+    blocks = vocab_blocks(v, plan.chunks)
+    if len(blocks) == 1 and tp_degree == 1:  # one block on one rank: dh from one matmul
+        acc_h = dh
+    widest = max(b.stop - b.start for b in blocks)
+    return dw + acc_h + max(n * (-(-widest // 16) * 16) * e, dh)
+
+
 def explain(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,
             reduction: str = "mean", policy: ChunkPolicy | None = None, chunks: int | str = "auto",
-            schedule: str = "auto", recompute: bool | None = None, fused: bool = False) -> str:
-    """One paragraph: the plan a call with these arguments runs, and why. The arguments are the
-    call's own (``num_tokens`` over the whole group with sequence parallelism); ``hidden_size=None``
-    explains ``cross_entropy``, a hidden size ``linear_cross_entropy``. ``fused``: whether the call
-    runs the fused GEMM kernels -- ``vparallel_ce.kernels.fused_applies(weight.device, dtype)``,
-    True for bf16/fp16 on a GPU with Triton."""
+            schedule: str = "auto", recompute: bool | None = None, fused: bool = False,
+            dtype: torch.dtype = torch.bfloat16) -> str:
+    """One paragraph: the plan a call with these arguments runs, why, and (``linear_cross_entropy``)
+    its peak memory by :func:`peak_bytes` for ``dtype`` operands. The arguments are the call's own
+    (``num_tokens`` over the whole group with sequence parallelism); ``hidden_size=None`` explains
+    ``cross_entropy``, a hidden size ``linear_cross_entropy``. ``fused``: whether the call runs the
+    fused GEMM kernels -- ``vparallel_ce.kernels.fused_applies(weight.device, dtype)``, True for
+    bf16/fp16 on a GPU with Triton."""
     policy = policy or DEFAULT_POLICY
     p = policy.plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, reduction=reduction,
                     chunks=chunks, schedule=schedule, recompute=recompute, fused=fused)
@@ -280,10 +317,14 @@ def explain(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size
     grads = "in backward" if hidden_size is None else (
         "made in forward" if p.grad_in_forward else
         "made in backward from the kept logits" if p.keep_logits else "recomputed in backward")
-    matmuls = "" if hidden_size is None else f", {_matmuls(p)} matmuls of 2*N*H*V_loc FLOPs"
+    matmuls, memory = "", ""
+    if hidden_size is not None:
+        matmuls = f", {_matmuls(p)} matmuls of 2*N*H*V_loc FLOPs"
+        peak = peak_bytes(p, num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, dtype=dtype)
+        memory = f" Peak memory over the inputs, dh and dW included: {peak / GiB:.2f} GiB (policy.peak_bytes)."
     return (f"{op} (V={vocab_size} over tp={tp_degree}, {policy.microbatches_in_flight} microbatch(es) in flight): "
             f"{p.schedule} schedule, {p.chunks} {unit}{'s' if p.chunks != 1 else ''}, gradients {grads}{matmuls}. "
-            f"Why: {'; '.join(p.why)}.")
+            f"Why: {'; '.join(p.why)}.{memory}")
 
 
 def _matmuls(p: Plan) -> int:
