@@ -471,3 +471,20 @@ def test_on_cuda_the_deferred_target_check_raises_for_every_op_and_passes_good_t
         bad[1, 2] = bad_id
         with pytest.raises(vparallel_ce.InvalidInputError, match=rf"outside \[0, 64\).*e\.g\. {bad_id}"):
             fn(bad)
+
+
+def test_a_memory_target_runs_the_plan_the_policy_picks_and_matches_the_reference():
+    # 256 tokens x V=512: one token chunk would peak at ~0.27 MB (bf16 model); a 0.1 MB target
+    # takes vocab blocks (4 of 128 columns), whose loss and gradients are the reference's
+    from vparallel_ce.policy import ChunkPolicy, choose_plan, peak_bytes
+
+    hidden, weight, _, target = make_case(21, tokens=(4, 64), vocab=512, bias=False)
+    policy = ChunkPolicy(memory_bytes=100_000)
+    plan = choose_plan(256, 512, hidden_size=H, policy=policy)
+    assert (plan.schedule, plan.chunks) == ("vocab", 4) and peak_bytes(plan, 256, 512, hidden_size=H) <= 100_000
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    assert count_matmuls(lambda: vparallel_ce.linear_cross_entropy(h, w, target, policy=policy).backward()) == 4 + 4 * 3
+    ref, up, dh, dw, _ = reference(hidden, weight, None, target, "mean", {})
+    h.grad = w.grad = None
+    (vparallel_ce.linear_cross_entropy(h, w, target, policy=policy) * up).backward()
+    assert rel_err(h.grad, dh) < 1e-12 and rel_err(w.grad, dw) < 1e-12

@@ -198,3 +198,37 @@ def test_explain_gives_the_plans_peak_memory():
     assert peak_bytes(one, 8192, LLAMA3_V, hidden_size=4096, grad_dtype=torch.float32) > peak_bytes(
         one, 8192, LLAMA3_V, hidden_size=4096)
     assert peak_bytes(one, 8192, 8 * 16032, 8, hidden_size=4096) > peak_bytes(one, 8192, 16032, 1, hidden_size=4096)
+
+
+def test_a_memory_target_picks_the_fastest_plan_whose_modelled_peak_fits():
+    # one token chunk (3 matmuls) when it fits; else the fewest (widest) vocab blocks that fit; when
+    # nothing fits, the blocks that reach the floor (H columns: narrower ones save nothing)
+    from vparallel_ce.policy import peak_bytes
+
+    for (n, h, v), tp in itertools.product([(16384, 768, 32777), (8192, 4096, LLAMA3_V), (8192, 2304, 256000),
+                                            (512, 64, 3001)], [1, 8]):
+        one = peak_bytes(choose_plan(n, v, tp, hidden_size=h, chunks=1), n, v, tp, hidden_size=h)
+        counts = []
+        for target in sorted({int(x * one) for x in (0.01, 0.1, 0.2, 0.4, 0.6, 0.99, 1.0, 2.0)}):
+            plan = choose_plan(n, v, tp, hidden_size=h, fused=True, policy=ChunkPolicy(memory_bytes=target))
+            peak = peak_bytes(plan, n, v, tp, hidden_size=h)
+            case = (n, h, v, tp, target, plan.schedule, plan.chunks, peak)
+            if one <= target:
+                assert (plan.schedule, plan.chunks) == ("token", 1), case
+                continue
+            assert plan.schedule == "vocab", case
+            floor = 2 * -(-v // tp) * h + 4 * n * h + 2 * n * max(h, 128)  # dW + fp32 dh + dh (or a 128-wide dx)
+            assert peak <= max(target, floor * 1.02), case
+            if plan.chunks > 1:  # one block fewer would not fit (unless already at the width cap)
+                wider = peak_bytes(type(plan)("vocab", plan.chunks - 1, False), n, v, tp, hidden_size=h)
+                assert wider > target or plan.chunks <= -(-(-(-v // tp)) // 8192) + 1, case
+            counts.append(plan.chunks)
+        assert counts == sorted(counts, reverse=True), "a larger target never means more blocks"
+
+
+def test_the_memory_target_is_explained_and_part_of_the_policy_the_ranks_agree_on():
+    from vparallel_ce.call import _policy_code
+
+    text = explain(16384, 32777, 1, hidden_size=768, fused=True, policy=ChunkPolicy(memory_bytes=int(0.15 * GiB)))
+    assert "0.15 GiB memory target" in text and "19 vocab blocks, the fewest that fit" in text, text
+    assert _policy_code(ChunkPolicy(memory_bytes=1 << 30)) != _policy_code(ChunkPolicy(memory_bytes=2 << 30))

@@ -69,12 +69,12 @@ def test_importing_the_library_does_not_import_torchtitan():
 def test_options_are_parsed_and_checked():
     from vparallel_ce.integrations import torchtitan as tt
 
-    loss = tt.FusedLoss(tt.VParallel(chunks="3", schedule="vocab", recompute="true", budget_mib=8))
+    loss = tt.FusedLoss(tt.VParallel(chunks="3", schedule="vocab", recompute="true", budget_mib=8, memory_mib=96))
     assert loss.kwargs["chunks"] == 3 and loss.kwargs["schedule"] == "vocab" and loss.kwargs["recompute"] is True
-    assert loss.policy.budget_bytes == 8 << 20
+    assert loss.policy.budget_bytes == 8 << 20 and loss.policy.memory_bytes == 96 << 20
     assert tt.LogitsLoss(tt.VParallel(chunks=5)).kwargs["chunks"] == 5  # an int from a TOML file
     for bad in ({"chunks": "0"}, {"chunks": "many"}, {"schedule": "rows"}, {"recompute": "maybe"},
-                {"budget_mib": -1.0}):
+                {"budget_mib": -1.0}, {"memory_mib": -1.0}):
         with pytest.raises(ValueError):
             tt.FusedLoss(tt.VParallel(**bad))
 

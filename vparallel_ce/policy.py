@@ -11,13 +11,16 @@ Precedence (``docs/api.md``), each knob deciding one thing:
    means token chunks (``chunks=1``: no chunking, 3 matmuls). ``"auto"`` with ``chunks="auto"``: the
    memory model below picks.
 2. ``chunks``: an integer is the token-chunk or vocab-block count (capped by the tokens / the
-   128-column block rounding); ``"auto"`` sizes chunks from the budget.
+   128-column block rounding); ``"auto"`` sizes chunks from the budget, or, for
+   ``linear_cross_entropy`` with ``ChunkPolicy.memory_bytes``, from that target for the whole peak
+   (:func:`peak_bytes`: one token chunk if it fits, else the fewest vocab blocks that do).
 3. ``recompute``: ``True`` recomputes the logits in backward, ``False`` makes the gradients in
    forward (mean/sum only); ``None``: with one token chunk and at most one microbatch in flight the
    chunk's logits are kept for the backward (3 matmuls, ``Plan.keep_logits``); with several token
    chunks the gradients are made in forward (mean/sum); else recompute.
 
-Memory model (bytes, per rank, ``V_loc = ceil(V / tp)``):
+Memory model (bytes, per rank, ``V_loc = ceil(V / tp)``; the whole peak of a plan is
+:func:`peak_bytes`, which ``explain`` prints):
 
 * one chunk's fp32 logits: ``tokens_per_chunk * V_loc * 4``; the budget bounds this quantity;
 * the token-chunked linear schedule adds an fp32 dW accumulator: ``V_loc * H * 4``;
@@ -74,12 +77,17 @@ class ChunkPolicy:
         microbatches_in_flight: forward passes whose saved state is alive at once on this stage
             (1 without PP or under 1F1B; the microbatch count under GPipe). With ``recompute=None``
             more than one turns gradients-in-forward off.
+        memory_bytes: a target for ``linear_cross_entropy``'s whole peak over its inputs, dh and
+            dW included (the model :func:`peak_bytes`, for bf16 operands and gradients): with
+            ``chunks="auto"`` the call takes one token chunk if that fits, else the fewest vocab
+            blocks that do (the leanest if none does). Takes precedence over ``budget_bytes`` there.
     """
 
     budget_bytes: int | None = None
     min_chunk_tokens: int = 1024
     block_columns: int = 8192
     microbatches_in_flight: int = 1
+    memory_bytes: int | None = None
 
     @property
     def budget(self) -> int:
@@ -135,11 +143,16 @@ class ChunkPolicy:
             return Plan("token", _token_chunks(k, num_tokens), False, why=tuple(why))
         k0 = min(self.chunks(num_tokens, vocab_size, tp_degree), max(v_loc, 1))
         sized = False  # whether a reason for the count is given yet
+        k_fit = None  # the count a memory target chose
         if schedule != "auto":
             why.append(f"schedule={schedule!r} as given")
         elif chunks != "auto":
             schedule = "token"
             why.append(f"chunks={chunks} with schedule='auto' means token chunks")
+            sized = True
+        elif self.memory_bytes is not None:
+            schedule, k_fit, reason = self._fit_memory(num_tokens, vocab_size, tp_degree, hidden_size)
+            why.append(reason)
             sized = True
         else:
             # one chunk: 3 matmuls, no accumulator (dW comes out of one matmul) -- the fastest point.
@@ -161,7 +174,9 @@ class ChunkPolicy:
                 schedule = "vocab"
                 why.append(f"token chunks would need an fp32 dW accumulator of {accumulator / GiB:.2f} GiB, over "
                            f"the {self.budget / GiB:.2f} GiB budget, so vocab blocks (dW of each from one matmul)")
-        if chunks != "auto":
+        if k_fit is not None:
+            k = k_fit
+        elif chunks != "auto":
             k = _token_chunks(chunks, num_tokens) if schedule == "token" else int(chunks)
             if not sized:
                 why.append(f"chunks={chunks} as given")
@@ -208,6 +223,38 @@ class ChunkPolicy:
             gif = False
             why.append("vocab blocks recompute their logits in backward (memory at the floor)")
         return Plan(schedule, k, gif, keep, tuple(why))
+
+
+    def _fit_memory(self, num_tokens: int, vocab_size: int, tp_degree: int, hidden_size: int):
+        """``(schedule, count, reason)`` for :attr:`memory_bytes`: one token chunk (3 matmuls) if
+        its modelled peak fits, else the widest vocab blocks (128-column multiples, at most
+        ``block_columns``) whose peak does. The vocab peak ``dW + AH + max(2 N Vb, dh)`` stops
+        falling at ``Vb = H``, so when no width fits the blocks are ``H`` wide (the floor, with the
+        fewest blocks)."""
+        target, n, v_loc = int(self.memory_bytes), num_tokens, local_vocab(vocab_size, tp_degree)
+
+        def peak(schedule, k):
+            return peak_bytes(Plan(schedule, k, False), n, vocab_size, tp_degree, hidden_size=hidden_size)
+
+        one = peak("token", 1)
+        head = f"one token chunk would peak at {one / GiB:.2f} GiB"
+        if one <= target or v_loc <= 128:
+            fits = "within" if one <= target else "over"
+            return "token", 1, f"{head}, {fits} the {target / GiB:.2f} GiB memory target (3 matmuls)"
+        # bf16 vocab peak dW + AH + max(2 N Vb, dh): the widest Vb within the target, between the
+        # floor's width H and block_columns
+        base = 2 * v_loc * hidden_size + 4 * n * hidden_size
+        widest = -(-self.block_columns // 128) * 128
+        at_floor = max(128, hidden_size // 128 * 128)
+        width = min(max((target - base) // max(2 * n, 1) // 128 * 128, at_floor), widest)
+        k = len(vocab_blocks(v_loc, math.ceil(v_loc / width)))
+        got = peak("vocab", k)
+        if got > target:
+            return "vocab", k, (f"{head}, over the {target / GiB:.2f} GiB memory target, and no plan fits: {k} "
+                                f"vocab blocks of ~{width} columns reach the floor, {got / GiB:.2f} GiB (dW, an fp32 "
+                                "dh and dh)")
+        return "vocab", k, (f"{head}, over the {target / GiB:.2f} GiB memory target; {k} vocab blocks, the fewest "
+                            f"that fit, peak at {got / GiB:.2f} GiB")
 
 
 def _token_chunks(k: int, num_tokens: int) -> int:

@@ -30,7 +30,8 @@ Options, torchtitan style (with ``--job.custom_config_module vparallel_ce.integr
 which adds a ``[vparallel]`` section to the job config; without it the defaults apply)::
 
     --vparallel.chunks auto|K  --vparallel.schedule auto|token|vocab  --vparallel.recompute auto|true|false
-    --vparallel.budget_mib M   --vparallel.label_smoothing S  --vparallel.z_loss Z  --vparallel.no-check
+    --vparallel.budget_mib M   --vparallel.memory_mib M  --vparallel.label_smoothing S  --vparallel.z_loss Z
+    --vparallel.no-check
 
 or in the TOML file: ``[job] custom_config_module = "vparallel_ce.integrations.torchtitan"`` and a
 ``[vparallel]`` table. Other models: :func:`register_specs` builds the two specs from any train spec
@@ -120,6 +121,11 @@ class VParallel:
     budget_mib: float = 0.0
     """Bound on one chunk's fp32 logits in MiB for chunks="auto"; 0 keeps the library default."""
 
+    memory_mib: float = 0.0
+    """Fused loss, chunks="auto": a target in MiB for the loss' whole peak, dh and dW included
+    (ChunkPolicy.memory_bytes: one token chunk if it fits, else the fewest vocab blocks that do);
+    0: none."""
+
     label_smoothing: float = 0.0
     """Label smoothing over the global vocab (0: none, like torchtitan's loss)."""
 
@@ -172,9 +178,11 @@ def _loss_kwargs(cfg: VParallel) -> dict:
 
 
 def _policy(cfg: VParallel) -> ChunkPolicy:
-    if cfg.budget_mib < 0:
-        raise ValueError(f"--vparallel.budget_mib must be >= 0, got {cfg.budget_mib}")
-    return ChunkPolicy(budget_bytes=int(cfg.budget_mib * 2**20) if cfg.budget_mib else None)
+    for name in ("budget_mib", "memory_mib"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"--vparallel.{name} must be >= 0, got {getattr(cfg, name)}")
+    return ChunkPolicy(budget_bytes=int(cfg.budget_mib * 2**20) if cfg.budget_mib else None,
+                       memory_bytes=int(cfg.memory_mib * 2**20) if cfg.memory_mib else None)
 
 
 # ---------------------------------------------------------------------------------------------
