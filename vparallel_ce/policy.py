@@ -80,7 +80,8 @@ class ChunkPolicy:
         memory_bytes: a target for ``linear_cross_entropy``'s whole peak over its inputs, dh and
             dW included (the model :func:`peak_bytes`, for bf16 operands and gradients): with
             ``chunks="auto"`` the call takes one token chunk if that fits, else the fewest vocab
-            blocks that do (the leanest if none does). Takes precedence over ``budget_bytes`` there.
+            blocks that do, else blocks ``H`` wide (the floor: narrower ones lower nothing). Takes
+            precedence over ``budget_bytes`` there.
     """
 
     budget_bytes: int | None = None
@@ -224,7 +225,6 @@ class ChunkPolicy:
             why.append("vocab blocks recompute their logits in backward (memory at the floor)")
         return Plan(schedule, k, gif, keep, tuple(why))
 
-
     def _fit_memory(self, num_tokens: int, vocab_size: int, tp_degree: int, hidden_size: int):
         """``(schedule, count, reason)`` for :attr:`memory_bytes`: one token chunk (3 matmuls) if
         its modelled peak fits, else the widest vocab blocks (128-column multiples, at most
@@ -329,8 +329,7 @@ def peak_bytes(plan: Plan, num_tokens: int, vocab_size: int, tp_degree: int = 1,
     measured every plan of the four benchmark shapes within 1% of it (``tests/test_policy.py``).
     Not modelled: sequence parallelism's gathered rows, the fused statistics' partials in forward
     (``8 N ceil(V / 256)`` bytes, below the backward's peak at the benchmark shapes)."""
-    e = torch.empty((), dtype=dtype).element_size()
-    g = torch.empty((), dtype=grad_dtype or dtype).element_size()
+    e, g = dtype.itemsize, (grad_dtype or dtype).itemsize
     n, v, h = num_tokens, local_vocab(vocab_size, tp_degree), hidden_size
     dw, dh, acc_h = g * v * h, g * n * h, 4 * n * h
     if plan.schedule == "token" and plan.chunks == 1:
