@@ -143,13 +143,19 @@ _INTERPRETER_CHECKS = textwrap.dedent(
 )
 
 
-def test_kernels_match_torch_ops_in_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+def _run_interpreted(script: str) -> subprocess.CompletedProcess:
+    """``script`` in a fresh Python with ``TRITON_INTERPRET=1`` (set before triton is imported) and
+    the kernel dispatch left at its defaults."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     env.pop("VPARALLEL_CE_KERNELS", None)
     env.pop("VPARALLEL_CE_FUSED", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", _INTERPRETER_CHECKS], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240
-    )
+    return subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_kernels_match_torch_ops_in_interpreter():
+    proc = _run_interpreted(_INTERPRETER_CHECKS)
     if proc.returncode and "only 0-dimensional arrays can be converted to Python scalars" in proc.stderr:
         # the interpreter of older Tritons (3.6) turns loop bounds into 1-element numpy arrays,
         # which numpy >= 2.4 refuses to convert to int; fixed in later Tritons
@@ -294,7 +300,5 @@ def _triton_version() -> tuple[int, int]:
 def test_target_span_kernel_in_interpreter():
     # the front door's one-launch range check: [min(0, lowest valid id), max(0, highest)] for
     # ignored ids anywhere, one and several 2048-wide tiles, int64 and int32 targets
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", _SPAN_CHECKS], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=240)
+    proc = _run_interpreted(_SPAN_CHECKS)
     assert proc.returncode == 0 and "SPAN_CHECKS_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -488,3 +488,23 @@ def test_a_memory_target_runs_the_plan_the_policy_picks_and_matches_the_referenc
     h.grad = w.grad = None
     (vparallel_ce.linear_cross_entropy(h, w, target, policy=policy) * up).backward()
     assert rel_err(h.grad, dh) < 1e-12 and rel_err(w.grad, dw) < 1e-12
+
+
+def _memory_target_rank(rank, world):
+    from vparallel_ce.policy import ChunkPolicy, choose_plan
+
+    hidden, weight, _, target = make_case(22, tokens=(4, 64), vocab=512, bias=False)
+    policy = ChunkPolicy(memory_bytes=80_000)  # one token chunk of a 256-column shard: ~0.14 MB
+    plan = choose_plan(256, 512, world, hidden_size=H, policy=policy)
+    h, w = hidden.clone().requires_grad_(), shard(weight, world, rank, 0).clone().requires_grad_()
+    out = vparallel_ce.linear_cross_entropy(h, w, target, group=torch.distributed.group.WORLD, policy=policy)
+    ref, up, dh, dw, _ = reference(hidden, weight, None, target, "mean", {})
+    (out * up).backward()
+    errs = rel_err(out, ref), rel_err(h.grad, dh), rel_err(w.grad, shard(dw, world, rank, 0))
+    return (plan.schedule, plan.chunks), *errs
+
+
+def test_a_memory_target_on_a_group_runs_vocab_blocks_that_match_the_reference():
+    for (plan, *errs) in run_ranks(_memory_target_rank, 2):
+        assert plan == ("vocab", 2), plan
+        assert max(errs) < 1e-12, errs

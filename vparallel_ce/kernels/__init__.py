@@ -2,11 +2,12 @@
 
 ``ops_for(tensor)`` returns an object with ``local_stats``, ``grad_logits``, ``loss_stats_grad_``
 and ``scale_rows`` of exactly the signatures in :mod:`vparallel_ce.stats`. The torch versions there
-are the reference and the CPU path; fused CUDA kernels (Triton) replace them on GPU when available. The Triton ops also carry
-``linear_stats`` / ``linear_grad_logits_for`` (:mod:`.fused_linear`: the lm_head GEMM with either step
-in its epilogue), which ``linear_cross_entropy`` uses wherever it would recompute logits, where
-``fused_covers(h, w, spec)`` is true. Set ``VPARALLEL_CE_KERNELS=torch`` to force the reference
-path, ``VPARALLEL_CE_FUSED=0`` to keep cuBLAS + the row passes.
+are the reference and the CPU path; fused CUDA kernels (Triton) replace them on GPU when available.
+The Triton ops also carry ``linear_stats`` / ``linear_grad_logits_for`` (:mod:`.fused_linear`: the
+lm_head GEMM with either step in its epilogue), which ``linear_cross_entropy`` uses wherever it
+would recompute logits, where ``fused_covers(h, w, spec)`` is true. Set
+``VPARALLEL_CE_KERNELS=torch`` to force the reference path, ``VPARALLEL_CE_FUSED=0`` to keep
+cuBLAS + the row passes.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .. import stats
-from .triton_ce import _DTYPES, _interpreting, _tanh
+from .triton_ce import _DTYPES, _int8, _interpreting, _tanh
 
 try:  # Triton >= 3.3
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -384,11 +384,6 @@ class _Launch:
             return out, out, ld
         box = [self.cfg.block_m, self.cfg.block_n // 2 if self.meta["SPLIT"] else self.cfg.block_n]
         return out, TensorDescriptor(base, [self.c, self.V], [ld, 1], box), ld
-
-
-def _int8(owned: torch.Tensor) -> torch.Tensor:
-    owned = owned.contiguous()
-    return owned.view(torch.int8) if owned.dtype == torch.bool else owned
 
 
 def _cap(spec):

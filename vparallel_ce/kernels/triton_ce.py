@@ -214,6 +214,12 @@ def _stats_launch_cfg(width: int, elt: int):
     return block, warps
 
 
+def _int8(owned: torch.Tensor) -> torch.Tensor:
+    """The owned mask as the kernels read it (bool viewed as int8, contiguous)."""
+    owned = owned.contiguous()
+    return owned.view(torch.int8) if owned.dtype == torch.bool else owned
+
+
 def _rowwise(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -234,7 +240,7 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
     f32 = dict(dtype=torch.float32, device=x.device)
     m, se, tg, sm = (torch.empty(c, **f32) for _ in range(4))
     zexp = torch.empty(c, **f32) if spec.entropy else sm  # a dummy pointer without entropy
-    own = owned.contiguous().view(torch.int8) if owned.dtype == torch.bool else owned.contiguous()
+    own = _int8(owned)
     block, warps = _stats_launch_cfg(width, x.element_size())
     args, flags = _transform_args(spec)
     _stats_kernel[(c,)](
@@ -246,7 +252,7 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
 
 def _grad(x, out, local_target, owned, shift, coefs, spec):
     c, width = x.shape
-    own = owned.contiguous().view(torch.int8) if owned.dtype == torch.bool else owned.contiguous()
+    own = _int8(owned)
     block, warps = _launch_cfg(width, x.element_size())
     args, flags = _transform_args(spec)
 
@@ -292,7 +298,7 @@ def loss_stats_grad_(x, local_target, owned, weights, spec, *, block: int | None
         return stats.loss_stats_grad_(x, local_target, owned, weights, spec)
     f32 = dict(dtype=torch.float32, device=x.device)
     m, se, tg, sm = (torch.empty(c, **f32) for _ in range(4))
-    own = owned.contiguous().view(torch.int8) if owned.dtype == torch.bool else owned.contiguous()
+    own = _int8(owned)
     args, flags = _transform_args(spec)
     eps = float(spec.label_smoothing)
     dflt_block, dflt_warps = _launch_cfg(width, x.element_size())
