@@ -473,6 +473,42 @@ def test_on_cuda_the_deferred_target_check_raises_for_every_op_and_passes_good_t
             fn(bad)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_deferred_check_reuses_its_pinned_pair_only_once_settled():
+    # the pinned span and its event are pooled (host time before the first GEMM); a check still
+    # pending keeps its pair, so a later call's copy never lands in its buffer or vice versa
+    from vparallel_ce.validate import DeferredTargetCheck
+
+    good = torch.tensor([1, 5, -100], device="cuda")
+    bad = torch.tensor([1, 70, -100], device="cuda")
+    first = DeferredTargetCheck(good, -100, 64)
+    first.settle()
+    pending = DeferredTargetCheck(bad, -100, 64)
+    assert pending.span is first.span, "a settled pair is reused"
+    other = DeferredTargetCheck(good, -100, 64)
+    assert other.span is not pending.span, "a pending pair is not shared"
+    with pytest.raises(vparallel_ce.InvalidInputError, match=r"e\.g\. 70"):
+        pending.settle()
+    other.settle()  # its own span: good
+    again = DeferredTargetCheck(bad, -100, 64)
+    with pytest.raises(vparallel_ce.InvalidInputError, match=r"e\.g\. 70"):
+        again.settle()
+
+
+def test_an_option_seen_valid_is_still_checked_by_its_type():
+    # check_options remembers the (name, type, value) it accepted; True == 1 == 1.0 in a set, but
+    # chunks=True and temperature=True are not chunks=1 and temperature=1.0
+    hidden, weight, _, target = make_case(6)
+    vparallel_ce.linear_cross_entropy(hidden, weight, target, chunks=1)
+    with pytest.raises(ValueError, match="chunks must be an int >= 1 or 'auto', got True"):
+        vparallel_ce.linear_cross_entropy(hidden, weight, target, chunks=True)
+    vparallel_ce.linear_token_logprobs(hidden, weight, target, temperature=1.0)
+    with pytest.raises(ValueError, match="temperature must be a positive number, got True"):
+        vparallel_ce.linear_token_logprobs(hidden, weight, target, temperature=True)
+    with pytest.raises(ValueError, match="policy must be a vparallel_ce.ChunkPolicy or None, got \\[1\\]"):
+        vparallel_ce.linear_cross_entropy(hidden, weight, target, policy=[1])  # unhashable: checked as ever
+
+
 def test_a_memory_target_runs_the_plan_the_policy_picks_and_matches_the_reference():
     # 256 tokens x V=512: one token chunk would peak at ~0.27 MB (bf16 model); a 0.1 MB target
     # takes vocab blocks (4 of 128 columns), whose loss and gradients are the reference's

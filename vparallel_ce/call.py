@@ -20,6 +20,7 @@ user arguments again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import zlib
 from dataclasses import dataclass, field
@@ -32,7 +33,8 @@ from .policy import Plan
 from .stats import REDUCTIONS, LossSpec
 from .validate import agree, check_linear, check_logits, check_options, DeferredTargetCheck, SCHEDULES
 
-__all__ = ["Call", "LogitsInputs", "LinearInputs", "logits_call", "linear_call", "autocast_dtype", "is_dtensor", "local"]
+__all__ = ["Call", "LogitsInputs", "LinearInputs", "logits_call", "linear_call", "autocast_dtype", "autocast_off",
+           "is_dtensor", "local"]
 
 
 @dataclass(frozen=True)
@@ -101,15 +103,18 @@ def logits_call(logits, target, *, group, vocab_size, reduction, chunks, check, 
     group = comm.resolve_group(group)
     problem = check_options(reduction=reduction, chunks=chunks, policy=policy, **loss_options) or check_logits(
         logits, target)
-    facts = {"token count": lambda: target.numel(), "chunks option": lambda: _chunk_code(chunks),
-             "target checksum": lambda: target.sum(), "loss options": lambda: _options_code(loss_options),
-             "reduction": lambda: _reduction_code(reduction), "chunk policy": lambda: _policy_code(policy)}
+
+    def facts():  # made only for a group's exchange
+        return {"token count": lambda: target.numel(), "chunks option": lambda: _chunk_code(chunks),
+                "target checksum": lambda: target.sum(), "loss options": lambda: _options_code(loss_options),
+                "reduction": lambda: _reduction_code(reduction), "chunk policy": lambda: _policy_code(policy)}
+
     lay, pending = agree(problem, group, local_size=lambda: logits.shape[-1], facts=facts, device=_device(logits),
                          vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options))
     n = target.numel()
     plan = (policy or _policy.DEFAULT_POLICY).plan(n, lay.vocab_size, lay.world, reduction=reduction, chunks=chunks)
     call = Call(lay, _spec(lay, loss_options, entropy), reduction, plan, bool(check), counts=(n,), pending=pending)
-    return call, LogitsInputs(logits.reshape(n, lay.local_size), target.reshape(-1), target.shape)
+    return call, LogitsInputs(_rows(logits, n, lay.local_size), _flat(target), target.shape)
 
 
 def linear_call(hidden, weight, target, bias, *, group, sequence_parallel, vocab_size, reduction, chunks, schedule,
@@ -125,24 +130,27 @@ def linear_call(hidden, weight, target, bias, *, group, sequence_parallel, vocab
                             **loss_options) or check_linear(hidden, weight, target, bias, autocast_dtype=amp)
     sp = bool(sequence_parallel)
 
-    def fused() -> bool:  # the plan depends on it, so the ranks must agree on it (a rank's env could differ)
-        return kernels.fused_applies(weight.device, _matmul_dtype(weight, amp), entropy=entropy,
-                                     temperature=float(loss_options.get("temperature", 1.0)))
+    fused = problem is None and kernels.fused_applies(weight.device, _matmul_dtype(weight, amp), entropy=entropy,
+                                                      temperature=float(loss_options.get("temperature", 1.0)))
 
-    facts = {
-        "fused kernels": lambda: int(fused()),
-        "chunks option": lambda: _chunk_code(chunks),
-        "schedule option": lambda: SCHEDULES.index(schedule),
-        "recompute option": lambda: {None: -1, False: 0, True: 1}[recompute],
-        "hidden size": lambda: weight.shape[-1],
-        "sequence_parallel": lambda: int(sp),
-        "loss options": lambda: _options_code(loss_options),
-        "reduction": lambda: _reduction_code(reduction),
-        "chunk policy": lambda: _policy_code(policy),
-    }
-    if not sp:  # with sequence parallelism every rank holds other tokens
-        facts["token count"] = lambda: target.numel()
-        facts["target checksum"] = lambda: target.sum()
+    def facts():  # made only for a group's exchange
+        facts = {
+            # the plan depends on it, so the ranks must agree on it (a rank's env could differ)
+            "fused kernels": lambda: int(fused),
+            "chunks option": lambda: _chunk_code(chunks),
+            "schedule option": lambda: SCHEDULES.index(schedule),
+            "recompute option": lambda: {None: -1, False: 0, True: 1}[recompute],
+            "hidden size": lambda: weight.shape[-1],
+            "sequence_parallel": lambda: int(sp),
+            "loss options": lambda: _options_code(loss_options),
+            "reduction": lambda: _reduction_code(reduction),
+            "chunk policy": lambda: _policy_code(policy),
+        }
+        if not sp:  # with sequence parallelism every rank holds other tokens
+            facts["token count"] = lambda: target.numel()
+            facts["target checksum"] = lambda: target.sum()
+        return facts
+
     lay, pending = agree(problem, group, local_size=lambda: weight.shape[0], facts=facts, device=_device(weight),
                          vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options))
     n = target.numel()
@@ -150,11 +158,21 @@ def linear_call(hidden, weight, target, bias, *, group, sequence_parallel, vocab
     counts = tuple(row[0] for row in comm.all_gather_ints([n], lay.group, weight.device)) if sp else (n,)
     plan = (policy or _policy.DEFAULT_POLICY).plan(
         sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1], reduction=reduction, chunks=chunks,
-        schedule=schedule, recompute=recompute, fused=fused())
+        schedule=schedule, recompute=recompute, fused=fused)
     call = Call(lay, _spec(lay, loss_options, entropy), reduction, plan, bool(check), sp, counts,
                 _matmul_dtype(weight, amp), pending)
-    inputs = LinearInputs(hidden.reshape(n, weight.shape[-1]), weight, bias, target.reshape(-1), target.shape)
+    inputs = LinearInputs(_rows(hidden, n, weight.shape[-1]), weight, bias, _flat(target), target.shape)
     return call, inputs
+
+
+def _rows(x: torch.Tensor, n: int, width: int) -> torch.Tensor:
+    """``x.reshape(n, width)``, without the dispatch when it is that shape already (the common
+    ``[N, H]`` input: the front door runs before every call's first kernel)."""
+    return x if x.dim() == 2 and x.shape[0] == n else x.reshape(n, width)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 def _matmul_dtype(weight: torch.Tensor, amp: torch.dtype | None) -> torch.dtype:
@@ -164,9 +182,22 @@ def _matmul_dtype(weight: torch.Tensor, amp: torch.dtype | None) -> torch.dtype:
 def autocast_dtype(device: torch.device) -> torch.dtype | None:
     """The enclosing ``torch.autocast`` dtype for ``device``'s type, or None outside autocast."""
     kind = device.type
-    if kind not in ("cuda", "cpu", "xpu", "hpu", "mps") or not torch.is_autocast_enabled(kind):
+    if kind not in _AUTOCAST_TYPES or not torch.is_autocast_enabled(kind):
         return None
     return torch.get_autocast_dtype(kind)
+
+
+def autocast_off(device_type: str):
+    """The context an op's forward and backward run in: autocast off for ``device_type``
+    (the matmul dtype comes from :attr:`Call.matmul_dtype`). Outside autocast, a shared no-op
+    context instead of a ``torch.autocast`` object to build, enter and leave on every call."""
+    if device_type in _AUTOCAST_TYPES and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return _NO_CONTEXT
+
+
+_AUTOCAST_TYPES = ("cuda", "cpu", "xpu", "hpu", "mps")
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def _spec(lay: VocabLayout, options: dict, entropy: bool) -> LossSpec:
@@ -209,11 +240,19 @@ def _device(t) -> torch.device:
 
 
 def _dtensor_cls():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return None
-    return DTensor
+    """``DTensor``, imported on first use (four checks per call: the import statement's own cost
+    added up before every call's first kernel)."""
+    global _DTENSOR
+    if _DTENSOR is False:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # pragma: no cover
+            DTensor = None
+        _DTENSOR = DTensor
+    return _DTENSOR
+
+
+_DTENSOR = False  # not looked up yet
 
 
 def is_dtensor(t) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .call import Call, logits_call
+from .call import Call, autocast_off, logits_call
 from .policy import ChunkPolicy
 from .stats import (
     GradCoefs, TokenStats, combine, local_targets, reduce, scale_coefs, token_loss, token_slices, unit_loss_coefs,
@@ -107,7 +107,7 @@ class _CrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, target, call: Call):
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             st, targets = logits_statistics(x, target, call)
             valid = targets[2]
             n_valid = valid.sum()
@@ -121,7 +121,7 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             g = grad_out.reshape(-1) if ctx.call.reduction == "none" else grad_out
             dx = logits_gradient(x, ctx.targets, ctx.shift, scale_coefs(ctx.coefs, g), ctx.call)
         return dx, None, None

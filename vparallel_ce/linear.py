@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm, kernels, policy as _policy
-from .call import Call, linear_call
+from .call import Call, autocast_off, linear_call
 from .layout import aligned_parts, vocab_blocks
 from .stats import (
     block_targets, combine, compute_dtype, local_targets, merge, reduce, scale_coefs, token_loss, token_slices,
@@ -390,7 +390,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         grads_now = call.plan.grad_in_forward and any(need)
         keep = not grads_now and Schedule.keeps_for_backward(call, need)
-        with torch.autocast(h.device.type, enabled=False):
+        with autocast_off(h.device.type):
             spec = call.spec
             hm, wm, bm = matmul_inputs(call, h, w, b)
             ops = kernels.ops_for(wm)
@@ -445,7 +445,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grads = tuple(None if g is None else g * grad_out.to(g.dtype) for g in ctx.saved_tensors)
             return grads + (None, None)
         h, w, b, t = ctx.saved_tensors
-        with torch.autocast(h.device.type, enabled=False):
+        with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
             ops = kernels.ops_for(wm)
             kept_chunks = take_kept(ctx)

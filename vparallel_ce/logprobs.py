@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
-from .call import Call, linear_call, logits_call
+from .call import Call, autocast_off, linear_call, logits_call
 from .cross_entropy import logits_gradient, logits_statistics
 from .linear import Grads, Schedule, matmul_inputs, take_kept
 from .policy import ChunkPolicy
@@ -131,7 +131,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, target, call: Call):
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             st, targets = logits_statistics(x, target, call)
             logp, entropy = _outputs(st, targets[2])
             ctx.save_for_backward(x, st.max, st.log_s, entropy)
@@ -146,7 +146,7 @@ class _TokenLogprobs(torch.autograd.Function):
         call = ctx.call
         if g_logp is None and g_entropy is None:  # local: no collective in this backward
             return None, None, None
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             coefs = _coefs(g_logp, g_entropy, ctx.targets[2], entropy, log_s, call)
             return logits_gradient(x, ctx.targets, m, coefs, call), None, None
 
@@ -157,7 +157,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, w, b, t, call: Call):
-        with torch.autocast(h.device.type, enabled=False):
+        with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
             ops = kernels.ops_for(wm)
             need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
@@ -196,7 +196,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
                 g_entropy = torch.zeros_like(g_logp)
         elif g_logp is None and g_entropy is None:
             return None, None, None, None, None
-        with torch.autocast(h.device.type, enabled=False):
+        with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
             ops = kernels.ops_for(wm)
             sched = Schedule.of(call, keep_logits=False)

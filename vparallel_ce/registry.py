@@ -87,7 +87,8 @@ class PlainCrossEntropy(_LossModule):
 
 
 def _gather_vocab(x: torch.Tensor, group) -> torch.Tensor:
-    lay, _ = agree(None, group, local_size=lambda: x.shape[-1], facts={}, device=x.device, vocab_size=None, check=True)
+    lay, _ = agree(None, group, local_size=lambda: x.shape[-1], facts=dict, device=x.device, vocab_size=None,
+                   check=True)
     return _GatherVocab.apply(x, lay)
 
 

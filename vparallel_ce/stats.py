@@ -276,6 +276,8 @@ def token_slices(n: int, chunks: int, *, exact: bool = False) -> list[slice]:
     """Contiguous slices of ``n`` rows in ``chunks`` near-equal parts (``torch.tensor_split`` sizes):
     at most ``n`` of them, or exactly ``chunks`` (some empty) with ``exact``."""
     k = max(1, int(chunks) if exact else min(int(chunks), max(n, 1)))
+    if k == 1:  # one chunk (every call of the fast point)
+        return [slice(0, n)]
     q, r = divmod(n, k)
     bounds = [0]
     for i in range(k):

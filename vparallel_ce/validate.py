@@ -53,16 +53,25 @@ class DeferredTargetCheck:
     alone, once the op's forward has queued its own kernels. Until then the kernels see ids
     clamped into the shard (:func:`vparallel_ce.stats.local_targets`), so a bad id reads nothing out
     of bounds, and the error still comes before the op returns a value.
+
+    The pinned pair and its event are reused from call to call (one per device, taken out of the
+    pool while a check is pending and put back once it is settled): allocating them is host time
+    spent before the op's first GEMM on every call. A check abandoned unsettled (its forward
+    raised) keeps its pair, so a copy still in flight never lands in a later call's buffer.
     """
+
+    _pool: dict = {}  # (device, dtype) -> (pinned [2], event), free pairs only
 
     def __init__(self, target: torch.Tensor, ignore_index: int, vocab_size: int):
         span = _target_span(target, ignore_index)
         self.vocab_size = vocab_size
-        self.event = None
+        self.event = self.key = None
         if span.is_cuda:
-            self.span = torch.empty(2, dtype=span.dtype, pin_memory=True)
+            self.key = (span.device, span.dtype)
+            # dict.pop is atomic, so two threads never take the same pair
+            self.span, self.event = self._pool.pop(self.key, None) or (
+                torch.empty(2, dtype=span.dtype, pin_memory=True), torch.cuda.Event())
             self.span.copy_(span, non_blocking=True)
-            self.event = torch.cuda.Event()
             self.event.record()
         else:
             self.span = span
@@ -75,35 +84,54 @@ class DeferredTargetCheck:
         self.settled = True
         if self.event is not None:
             self.event.synchronize()
-        _check_targets([self.span.tolist()], self.vocab_size)
+        lo, hi = self.span.tolist()
+        if self.event is not None:  # the copy has landed and been read: the pair is free again
+            self._pool[self.key] = (self.span, self.event)
+        _check_targets([[lo, hi]], self.vocab_size)
 
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# name -> (predicate, what it must be); a table made once, not per call (this runs on every call)
+_OPTION_CHECKS = {
+    "reduction": (lambda v: v in REDUCTIONS, f"one of {REDUCTIONS}"),
+    "ignore_index": (_is_int, "an int"),
+    "label_smoothing": (lambda v: 0.0 <= float(v) <= 1.0, "in [0, 1]"),
+    "z_loss": (lambda v: float(v) >= 0, ">= 0"),
+    "softcap": (lambda v: v is None or float(v) > 0, "a positive number or None"),
+    "temperature": (lambda v: not isinstance(v, bool) and float(v) > 0, "a positive number"),
+    "chunks": (lambda v: v == "auto" or (_is_int(v) and v >= 1), "an int >= 1 or 'auto'"),
+    "schedule": (lambda v: v in SCHEDULES, f"one of {SCHEDULES}"),
+    "recompute": (lambda v: v is None or isinstance(v, bool), "True, False or None"),
+    "policy": (lambda v: v is None or isinstance(v, ChunkPolicy), "a vparallel_ce.ChunkPolicy or None"),
+}
+
+
+_GOOD_OPTIONS: set = set()  # (name, type, value) seen valid: a call repeats its options every step
+
+
 def check_options(**options) -> Problem | None:
     """Check the keyword options a call was given (only those named)."""
-    checks = {
-        "reduction": (lambda v: v in REDUCTIONS, f"one of {REDUCTIONS}"),
-        "ignore_index": (_is_int, "an int"),
-        "label_smoothing": (lambda v: 0.0 <= float(v) <= 1.0, "in [0, 1]"),
-        "z_loss": (lambda v: float(v) >= 0, ">= 0"),
-        "softcap": (lambda v: v is None or float(v) > 0, "a positive number or None"),
-        "temperature": (lambda v: not isinstance(v, bool) and float(v) > 0, "a positive number"),
-        "chunks": (lambda v: v == "auto" or (_is_int(v) and v >= 1), "an int >= 1 or 'auto'"),
-        "schedule": (lambda v: v in SCHEDULES, f"one of {SCHEDULES}"),
-        "recompute": (lambda v: v is None or isinstance(v, bool), "True, False or None"),
-        "policy": (lambda v: v is None or isinstance(v, ChunkPolicy), "a vparallel_ce.ChunkPolicy or None"),
-    }
     for name, value in options.items():
-        ok, wanted = checks[name]
+        try:  # the type is part of the key: True == 1 == 1.0, but chunks=True is not chunks=1
+            if (name, type(value), value) in _GOOD_OPTIONS:
+                continue
+        except TypeError:  # an unhashable value: checked below
+            pass
+        ok, wanted = _OPTION_CHECKS[name]
         try:
             good = ok(value)
         except (TypeError, ValueError):
             good = False
         if not good:
             return Problem(ValueError, f"{name} must be {wanted}, got {value!r}")
+        if len(_GOOD_OPTIONS) < 4096:
+            try:
+                _GOOD_OPTIONS.add((name, type(value), value))
+            except TypeError:
+                pass
     if options.get("recompute") is False and options.get("reduction") == "none":
         return Problem(ValueError, "recompute=False (gradients made in forward) needs reduction 'mean' or 'sum': "
                                    "with reduction='none' the upstream gradient is only known in backward")
@@ -178,7 +206,7 @@ def agree(
     group,
     *,
     local_size: Callable[[], int],
-    facts: dict[str, Callable[[], object]],
+    facts: Callable[[], dict[str, Callable[[], object]]],
     device,
     vocab_size: int | None,
     check: bool,
@@ -193,10 +221,12 @@ def agree(
         problem: this rank's local input problem, or None.
         group: resolved ProcessGroup or None.
         local_size: this rank's vocab rows (called only when ``problem`` is None).
-        facts: named integers that must be equal on every rank (token count, chunk option, ...):
-            ranks that disagree on the chunk count would otherwise deadlock in the per-chunk
-            collectives. Called only when ``problem`` is None (0 is sent otherwise), so a call with
-            bad input still sends the same keys and the exchange always matches up.
+        facts: makes the named integers that must be equal on every rank (token count, chunk
+            option, ...): ranks that disagree on the chunk count would otherwise deadlock in the
+            per-chunk collectives. Made only for an exchange (not at world 1, where they would be
+            host time before the first GEMM); each value is called only when ``problem`` is None
+            (0 is sent otherwise), so a call with bad input still sends the same keys and the
+            exchange always matches up.
         vocab_size: the global vocab size if the caller knows it (a DTensor does).
         check: exchange (one all-gather of a few int64s) and check. Needed anyway when ``vocab_size``
             is unknown; skipped otherwise with ``check=False``, and then a problem raises locally.
@@ -216,6 +246,7 @@ def agree(
         return VocabLayout.of_rank(None, 1, 0, v), pending
     me = comm.rank(group)
     if check or vocab_size is None:
+        facts = facts()
         names = sorted(facts)
         ok = problem is None
         mine = [int(not ok), local_size() if ok else 0, -1 if vocab_size is None else vocab_size]

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import torch
+
 from .. import stats
 
 __all__ = ["ops_for", "fused_applies", "target_span", "TORCH_OPS"]
@@ -28,11 +30,26 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _modules():
+    """``(fused_linear, triton_ce, targets)``, imported once; None where Triton is missing or fails to import
+    (then the torch path is kept). Looked up on every call, so not by an import statement."""
+    global _MODULES
+    if _MODULES is False:
+        try:
+            from . import fused_linear, targets, triton_ce
+            _MODULES = (fused_linear, triton_ce, targets)
+        except Exception:
+            _MODULES = None
+    return _MODULES
+
+
+_MODULES = False  # not imported yet
+
+
 def _triton_ops(fused: bool):
-    try:
-        from . import fused_linear, triton_ce
-    except Exception:  # triton missing or failing to import: keep the torch path
+    if _modules() is None:
         return None
+    fused_linear, triton_ce, _ = _MODULES
     if not fused:
         return triton_ce.OPS
     # the row passes, plus the lm_head GEMM fused with each of them (linear_cross_entropy's
@@ -63,13 +80,7 @@ def ops_for(x):
     return TORCH_OPS
 
 
-def _dtypes():
-    import torch
-
-    return (torch.float16, torch.bfloat16, torch.float32)
-
-
-_TRITON_DTYPES = _dtypes()
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def fused_applies(device, dtype, *, entropy: bool = False, temperature: float = 1.0) -> bool:
@@ -78,31 +89,23 @@ def fused_applies(device, dtype, *, entropy: bool = False, temperature: float = 
     cores (sm80+) and Triton, unless ``VPARALLEL_CE_KERNELS=torch`` or ``VPARALLEL_CE_FUSED=0``;
     not for the log-prob ops' temperature / entropy statistic. The rule of
     :func:`.fused_linear.schedule_covers`, for a device and dtype instead of tensors."""
-    import torch
-
     if os.environ.get("VPARALLEL_CE_FUSED", "1") == "0" or os.environ.get("VPARALLEL_CE_KERNELS", "auto") == "torch":
         return False
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
     if device.type != "cuda" or _triton_ops(True) is None:
         return False
-    from .fused_linear import SCHEDULE_DTYPES, _capability, takes_options  # _capability: cached per device
-
-    return (dtype in SCHEDULE_DTYPES and takes_options(entropy=entropy, temperature=temperature)
-            and _capability(device) >= (8, 0))
+    fl = _MODULES[0]
+    return (dtype in fl.SCHEDULE_DTYPES and fl.takes_options(entropy=entropy, temperature=temperature)
+            and fl._capability(device) >= (8, 0))  # _capability: cached per device
 
 
 def target_span(target, ignore_index: int):
     """The Triton version of the front door's target span (:mod:`.targets`: one launch instead
     of four) for integer CUDA targets, or None where it does not apply (CPU, no Triton,
     ``VPARALLEL_CE_KERNELS=torch``): the caller then runs the torch version."""
-    import torch
-
     if os.environ.get("VPARALLEL_CE_KERNELS", "auto") == "torch" or target.dtype not in (torch.int64, torch.int32):
         return None
-    if not (target.is_cuda or interpreting()):
+    if not (target.is_cuda or interpreting()) or _modules() is None:
         return None
-    try:
-        from .targets import target_span as span
-    except Exception:  # triton missing or failing to import
-        return None
-    return span(target, ignore_index)
+    return _MODULES[2].target_span(target, ignore_index)
