@@ -313,6 +313,20 @@ _KEPT_THEN_RECOMPUTED = textwrap.dedent(
     assert not calls, calls
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # the one-pass kernel's loss and gradients (world 1, chunks=1) against float64, every
+    # reduction, an ignored token and label smoothing
+    t[3] = -100
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    for reduction in ("mean", "sum", "none"):
+        out = linear_cross_entropy(h, w, t, chunks=1, reduction=reduction, label_smoothing=0.1)
+        up = torch.rand(out.shape, generator=g) + 0.5
+        got = torch.autograd.grad((out * up).sum(), (h, w))
+        ref = torch.nn.functional.cross_entropy(h64 @ w64.T, t, reduction=reduction, label_smoothing=0.1)
+        want = torch.autograd.grad((ref * up.double()).sum(), (h64, w64))
+        torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{reduction}: {m}")
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{reduction}: {m}")
+    assert not calls, calls
     # a recomputing plan takes the fused kernel in both backwards
     out = linear_cross_entropy(h, w, t, chunks=2, schedule="vocab", reduction="none")
     torch.autograd.grad(out.sum(), (h, w), retain_graph=True)

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"
 
 _INTERPRETER_CHECKS = textwrap.dedent(
     r"""
-    import itertools, os
+    import dataclasses, itertools, os
     assert os.environ["TRITON_INTERPRET"] == "1"
     import torch
     from vparallel_ce import stats
@@ -96,19 +96,31 @@ _INTERPRETER_CHECKS = textwrap.dedent(
         inplace = x.clone()
         assert tc.grad_logits_(inplace, local_t, owned, lse, gscale, spec) is inplace
         assert torch.equal(inplace, got)
-        if not spec.entropy:  # statistics and the loss' gradient for weights r in one kernel, in place
-            weights = valid.float() * (0.5 + torch.rand(c))
-            ref_x, got_x = x.clone(), x.clone()
-            ref = stats.loss_stats_grad_(ref_x, local_t, owned, weights, spec)
-            got = tc.loss_stats_grad_(got_x, local_t, owned, weights, spec)
-            for name, r, g in zip(ref._fields[:4], ref, got):
-                atol = 2e-5 + (2e-7 * abs_sum if name == "sum" else 0.0)
-                torch.testing.assert_close(g, r, rtol=1e-5, atol=atol,
-                                           msg=lambda m: f"one-pass {name} {width} {opts} {dtype}: {m}")
-            torch.testing.assert_close(got_x.float(), ref_x.float(), **tol,
-                                       msg=lambda m: f"one-pass grad {width} {opts} {dtype}: {m}")
-            if width and c > 3:
-                assert (got_x[3] == 0).all()  # ignored row: exactly zero
+        if not spec.entropy and width:
+            # one kernel for a rank holding the whole vocab: target maps, statistics, per-token loss
+            # and the loss' gradient for 1 written over the logits, for every reduction's weights;
+            # an ignored row and an (unchecked) id outside the vocab, which owns no logit
+            whole = dataclasses.replace(spec, vocab_size=width)
+            t1 = torch.randint(0, width, (c,))
+            t1[0] = width - 1
+            if c > 3:
+                t1[3] = -100
+            if c > 4:
+                t1[4] = width + 3
+            n_valid = (t1 != -100).sum()
+            for reduction in ("mean", "sum", "none"):
+                ref_x, got_x = x.clone(), x.clone()
+                ref, ref_loss = stats.loss_stats_grad_(ref_x, t1, n_valid, reduction, whole)
+                got, got_loss = tc.loss_stats_grad_(got_x, t1, n_valid, reduction, whole)
+                where = f"one-pass {reduction} {width} {opts} {dtype}"
+                for name, r, g in zip(ref._fields[:4], ref, got):
+                    atol = 2e-5 + (2e-7 * abs_sum if name == "sum" else 0.0)
+                    torch.testing.assert_close(g, r, rtol=1e-5, atol=atol, msg=lambda m: f"{where} {name}: {m}")
+                torch.testing.assert_close(got_loss, ref_loss, rtol=1e-5, atol=2e-5 + 2e-7 * abs_sum,
+                                           msg=lambda m: f"{where} loss: {m}")
+                torch.testing.assert_close(got_x.float(), ref_x.float(), **tol, msg=lambda m: f"{where} grad: {m}")
+                if c > 3:  # ignored row: loss and gradient exactly zero
+                    assert got_loss[3] == 0 and (got_x[3] == 0).all(), where
         ran += 1
 
     # g * x with the product in fp32, rounded once, per row or scalar, in place: fp32 bitwise the
@@ -236,8 +248,9 @@ def test_linear_cross_entropy_triton_vs_torch(monkeypatch, schedule, recompute, 
 @cuda
 @pytest.mark.parametrize("opts", [{}, dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0)])
 def test_one_pass_statistics_and_gradient_on_cuda(opts):
-    # several 4096-wide tiles and a ragged tail, bf16: the statistics and the in-place gradient of
-    # the one-pass kernel against the reference's two passes; scale_rows bitwise the reference's
+    # several 4096-wide tiles and a ragged tail, bf16: the statistics, per-token loss and in-place
+    # gradient of the one-pass kernel against the reference's passes for every reduction;
+    # scale_rows bitwise the reference's
     from vparallel_ce import stats
     from vparallel_ce.kernels import triton_ce as tc
 
@@ -248,17 +261,21 @@ def test_one_pass_statistics_and_gradient_on_cuda(opts):
     target = torch.randint(0, width, (c,), device="cuda")
     target[::7] = -100
     target[1] = width - 1
-    local_t, owned, valid = stats.local_targets(target, 0, width, -100)
-    weights = valid.float() / valid.sum()
-    ref_x, got_x = x.clone(), x.clone()
-    ref = stats.loss_stats_grad_(ref_x, local_t, owned, weights, spec)
-    got = tc.loss_stats_grad_(got_x, local_t, owned, weights, spec)
-    abs_sum = float(stats._transform(x, spec).abs().sum(-1).max())
-    for name, r, g in zip(ref._fields[:4], ref, got):
-        atol = 2e-5 + (2e-7 * abs_sum if name == "sum" else 0.0)  # a sum with cancellation
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=atol, msg=lambda m: f"{name} {opts}: {m}")
-    torch.testing.assert_close(got_x.float(), ref_x.float(), rtol=1e-2, atol=1e-7, msg=lambda m: f"dx {opts}: {m}")
-    assert (got_x[::7] == 0).all()
+    target[2] = width + 5  # unchecked, outside the vocab: owns no logit
+    for reduction in ("mean", "sum", "none"):
+        ref_x, got_x = x.clone(), x.clone()
+        n_valid = (target != -100).sum()
+        ref, ref_loss = stats.loss_stats_grad_(ref_x, target, n_valid, reduction, spec)
+        got, got_loss = tc.loss_stats_grad_(got_x, target, n_valid, reduction, spec)
+        abs_sum = float(stats._transform(x, spec).abs().sum(-1).max())
+        for name, r, g in zip(ref._fields[:4], ref, got):
+            atol = 2e-5 + (2e-7 * abs_sum if name == "sum" else 0.0)  # a sum with cancellation
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=atol, msg=lambda m: f"{name} {reduction} {opts}: {m}")
+        torch.testing.assert_close(got_loss, ref_loss, rtol=1e-5, atol=2e-5 + 2e-7 * abs_sum,
+                                   msg=lambda m: f"loss {reduction} {opts}: {m}")
+        torch.testing.assert_close(got_x.float(), ref_x.float(), rtol=1e-2, atol=1e-7,
+                                   msg=lambda m: f"dx {reduction} {opts}: {m}")
+        assert (got_x[::7] == 0).all() and (got_loss[::7] == 0).all()
     for g in (torch.tensor(1 / 3, device="cuda"), torch.rand(c, device="cuda") + 0.5):
         assert torch.equal(tc.scale_rows(x, g), stats.scale_rows(x, g))
 

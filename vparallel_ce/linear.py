@@ -43,8 +43,8 @@ from . import comm, kernels, policy as _policy
 from .call import Call, autocast_off, linear_call
 from .layout import aligned_parts, vocab_blocks
 from .stats import (
-    block_targets, combine, compute_dtype, local_targets, merge, reduce, scale_coefs, token_loss, token_slices,
-    token_weights, unit_loss_coefs,
+    GradCoefs, block_targets, combine, compute_dtype, local_targets, merge, reduce, scale_coefs, token_loss,
+    token_slices, unit_loss_coefs,
 )
 
 __all__ = ["linear_cross_entropy", "Schedule", "Rows", "ChunkTargets", "Grads", "matmul_inputs", "take_kept",
@@ -402,22 +402,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.kept, ctx.targets, ctx.shift, ctx.coefs = [], [], [], []
             unit_dx = keep and sched.grad_with_statistics(call, b)
             for c, h_c, t_c, targets in sched.walk(call, rows, hm, t):
-                if unit_dx:  # the kept logits become their gradient for 1 in the statistics' own kernel
+                if unit_dx:
+                    # one kernel makes the chunk's target maps, statistics, loss, and the kept
+                    # logits' gradient for 1 over them: besides it, the valid count (mean) and the sum
                     x = F.linear(h_c, wm, bm)
-                    local_t, owned, valid = targets()
-                    n_valid = _valid_count(t, call, valid)
-                    weights = token_weights(valid, n_valid, call.reduction, cdt)
-                    st = combine(ops.loss_stats_grad_(x, local_t, owned, weights, spec), call.layout)
-                    kept = [x]
-                    # made only if a second backward of this graph recomputes (no kernels launched now)
-                    coefs = functools.partial(unit_loss_coefs, st, valid, n_valid, call.reduction, spec)
-                else:
-                    st, kept = sched.statistics(call, ops, h_c, wm, bm, targets)
-                    local_t, owned, valid = targets()
-                    if n_valid is None:  # launched after the first GEMM too (mean's scale needs it from chunk 0)
-                        whole = len(rows) == 1 and not call.sequence_parallel  # the chunk's mask is all of t's
-                        n_valid = _valid_count(t, call, valid if whole else None)
-                    coefs = unit_loss_coefs(st, valid, n_valid, call.reduction, spec)
+                    n_valid = _valid_count(t, call) if call.reduction == "mean" else None
+                    st, loss_c = ops.loss_stats_grad_(x, t_c, n_valid, call.reduction, spec)
+                    per_token.append(loss_c)
+                    ctx.kept.append([x])
+                    ctx.shift.append(st.max)
+                    # made only if a second backward of this graph recomputes (no kernels launched
+                    # now); its walk then makes the target maps again
+                    ctx.coefs.append(functools.partial(_unit_coefs, call, st, t_c, n_valid))
+                    continue
+                st, kept = sched.statistics(call, ops, h_c, wm, bm, targets)
+                local_t, owned, valid = targets()
+                if n_valid is None:  # launched after the first GEMM too (mean's scale needs it from chunk 0)
+                    whole = len(rows) == 1 and not call.sequence_parallel  # the chunk's mask is all of t's
+                    n_valid = _valid_count(t, call, valid if whole else None)
+                coefs = unit_loss_coefs(st, valid, n_valid, call.reduction, spec)
                 per_token.append(_keep(rows, c, token_loss(st, valid, spec), call.reduction))
                 if grads is not None:
                     sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, st.max, coefs, kept, grads)
@@ -427,7 +430,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     ctx.coefs.append(coefs)
                     if keep:
                         ctx.kept.append(kept)
-            if n_valid is None:
+            if n_valid is None and call.reduction == "mean":
                 n_valid = _valid_count(t, call)
             ctx.call, ctx.need, ctx.grads_now, ctx.unit_dx = call, need, grads is not None, unit_dx
             if grads is not None:  # only [N, H] / [V_loc, H] gradients are kept, no logits
@@ -490,6 +493,13 @@ def grads_from_unit_dx(ops, dx, h, w, b, hm, wm, g, need) -> tuple:
     if need_b and b is not None:  # a scalar g: a bias with reduction="none" does not take this path
         db = (dx.sum(0, dtype=compute_dtype(dx.dtype)) * g.to(compute_dtype(dx.dtype))).to(b.dtype)
     return dh, dw, db
+
+
+def _unit_coefs(call: Call, st, t_c: torch.Tensor, n_valid) -> GradCoefs:
+    """The unit :class:`~vparallel_ce.stats.GradCoefs` of a chunk whose gradient the statistics'
+    kernel made (:meth:`Schedule.grad_with_statistics`), for a second backward that recomputes."""
+    valid = t_c != call.spec.ignore_index
+    return unit_loss_coefs(combine(st, call.layout), valid, n_valid, call.reduction, call.spec)
 
 
 def take_kept(ctx) -> list:

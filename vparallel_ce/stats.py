@@ -64,7 +64,7 @@ import torch
 from . import comm
 
 __all__ = ["LossSpec", "ChunkStats", "TokenStats", "GradCoefs", "local_targets", "block_targets", "local_stats", "merge",
-           "combine", "token_loss", "loss_grad_coefs", "token_weights", "unit_loss_coefs", "scale_coefs",
+           "combine", "whole_vocab", "token_loss", "loss_grad_coefs", "token_weights", "unit_loss_coefs", "scale_coefs",
            "loss_stats_grad_", "scale_rows", "logprob_grad_coefs", "grad_logits"]
 
 
@@ -192,9 +192,7 @@ def merge(a: ChunkStats, b: ChunkStats) -> ChunkStats:
 def combine(stats: ChunkStats, layout) -> TokenStats:
     """Steps 2-3: join the ranks' statistics -- one all-reduce MAX and one fused all-reduce SUM."""
     if not layout.sharded:  # one rank: its statistics are the global ones (no rescaling to launch)
-        log_s = torch.log(stats.sumexp)
-        entropy = log_s - stats.zexp / stats.sumexp if stats.zexp is not None else None
-        return TokenStats(stats.max + log_s, stats.target, stats.sum, entropy, stats.max, log_s)
+        return whole_vocab(stats)
     m = comm.all_reduce_max_(stats.max.clone(), layout.group)
     parts = [_rescale(stats.sumexp, stats.max, m), stats.target, stats.sum]
     if stats.zexp is not None:
@@ -204,6 +202,13 @@ def combine(stats: ChunkStats, layout) -> TokenStats:
     log_s = torch.log(sumexp)
     entropy = log_s - packed[3] / sumexp if stats.zexp is not None else None
     return TokenStats(m + log_s, target, total, entropy, m, log_s)
+
+
+def whole_vocab(stats: ChunkStats) -> TokenStats:
+    """The :class:`TokenStats` of statistics that already cover the whole vocab (one rank)."""
+    log_s = torch.log(stats.sumexp)
+    entropy = log_s - stats.zexp / stats.sumexp if stats.zexp is not None else None
+    return TokenStats(stats.max + log_s, stats.target, stats.sum, entropy, stats.max, log_s)
 
 
 def token_loss(st: TokenStats, valid: torch.Tensor, spec: LossSpec) -> torch.Tensor:
@@ -292,16 +297,17 @@ def reduce(per_token: torch.Tensor, n_valid: torch.Tensor, reduction: str) -> to
     return total / n_valid if reduction == "mean" else total
 
 
-def token_weights(valid: torch.Tensor, n_valid: torch.Tensor, reduction: str, dtype: torch.dtype) -> torch.Tensor:
+def token_weights(valid: torch.Tensor, n_valid: torch.Tensor | None, reduction: str,
+                  dtype: torch.dtype) -> torch.Tensor:
     """``r_i = d(output) / d(loss_i)`` of the reduced output: ``1 / n_valid`` for mean, 1 for sum and
-    none; 0 on ignored tokens."""
+    none (``n_valid`` is not read there); 0 on ignored tokens."""
     r = valid.to(dtype)
     if reduction == "mean":
         r = r / n_valid.clamp(min=1)  # all ignored: loss 0/0 as F.cross_entropy, gradient 0 (not nan)
     return r
 
 
-def unit_loss_coefs(st: TokenStats, valid: torch.Tensor, n_valid: torch.Tensor, reduction: str,
+def unit_loss_coefs(st: TokenStats, valid: torch.Tensor, n_valid: torch.Tensor | None, reduction: str,
                     spec: LossSpec) -> GradCoefs:
     """The loss' :class:`GradCoefs` for an upstream gradient of 1: ``loss_grad_coefs(m, log S, r)``
     with ``r`` the :func:`token_weights`. Every coefficient is linear in the upstream gradient, so
@@ -310,18 +316,25 @@ def unit_loss_coefs(st: TokenStats, valid: torch.Tensor, n_valid: torch.Tensor, 
     return loss_grad_coefs(st.max, st.log_s, token_weights(valid, n_valid, reduction, st.max.dtype), spec)
 
 
-def loss_stats_grad_(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, weights: torch.Tensor,
-                     spec: LossSpec) -> ChunkStats:
-    """Steps 1 and the backward in one go, for a rank that holds the WHOLE vocab (nothing to
-    exchange between them): the statistics of ``x [c, V]``, and ``x`` overwritten with
-    ``d(sum_i r_i loss_i) / d x`` for the per-token ``weights`` ``r`` (:func:`token_weights`), i.e.
-    the loss' gradient for an upstream gradient of 1 (in ``x``'s dtype). Returns the statistics
-    (:func:`combine` of them gives the loss). The Triton version reads each row twice in one kernel
-    (the second time mostly from cache) and writes it once."""
-    st = local_stats(x, local_target, owned, spec)
-    coefs = loss_grad_coefs(st.max, torch.log(st.sumexp), weights.to(st.max.dtype), spec)
-    x.copy_(grad_logits(x, local_target, owned, st.max, coefs, spec))
-    return st
+def loss_stats_grad_(x: torch.Tensor, target: torch.Tensor, n_valid: torch.Tensor | None, reduction: str,
+                     spec: LossSpec) -> tuple[ChunkStats, torch.Tensor]:
+    """Step 1, the loss and the backward in one go, for a rank that holds the WHOLE vocab (nothing
+    to exchange between them) and one chunk of the call's tokens. ``x [c, V]`` is overwritten with
+    ``d(sum_i r_i loss_i) / d x`` (in ``x``'s dtype), the loss' gradient for an upstream gradient
+    of 1: ``r`` are the :func:`token_weights` (``1 / n_valid`` on the valid tokens for mean, 1 for
+    sum and none; ``n_valid``, the call's valid-token count, is read for mean only). ``target
+    [c]``: the global ids (an id outside ``[0, V)`` owns no logit, as :func:`local_targets` has
+    it). Returns the statistics and the per-token loss (0 on ignored tokens; :func:`token_loss`).
+
+    Everything per token is made from the row in the one kernel of the Triton version (no
+    kernels for the target maps, the weights or the loss): it reads each row twice (the second
+    time mostly from cache) and writes it once."""
+    local_t, owned, valid = local_targets(target, 0, x.shape[-1], spec.ignore_index)
+    st = local_stats(x, local_t, owned, spec)
+    coefs = loss_grad_coefs(st.max, torch.log(st.sumexp), token_weights(valid, n_valid, reduction, st.max.dtype),
+                            spec)
+    x.copy_(grad_logits(x, local_t, owned, st.max, coefs, spec))
+    return st, token_loss(whole_vocab(st), valid, spec)
 
 
 def scale_rows(x: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

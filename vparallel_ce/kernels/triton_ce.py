@@ -8,8 +8,8 @@ r"""Triton kernels for the two per-chunk steps of :mod:`vparallel_ce.stats`.
   ``linear_cross_entropy`` schedules' per-chunk logits are temporaries). Each element is read and
   then written by the same program at the same address, so in place is race-free.
 * :func:`loss_stats_grad_` -- both, for a rank holding the whole vocab (no exchange between them):
-  one kernel reads a row for its statistics and writes the loss' gradient over it (for an upstream
-  gradient of 1), re-reading the row mostly from L2.
+  one kernel maps a row's target, reads the row for its statistics and loss and writes the loss'
+  gradient over it (for an upstream gradient of 1), re-reading the row mostly from L2.
 * :func:`scale_rows` -- ``g * x`` with the product in fp32 (the upstream gradient applied to a
   gradient made for 1).
 
@@ -122,8 +122,7 @@ def _row_grad(xb, db, W, t, shift, a, b, sub, hit, cap, inv_cap, inv_t, t_over_c
 @triton.jit
 def _store_row_stats(base, row, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, cap, inv_cap, inv_t, HAS_CAP: tl.constexpr,
                      HAS_T: tl.constexpr, SMOOTH: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
-    """A row's :class:`stats.ChunkStats` stored (the target logit read where the row owns it);
-    returns ``(max, sumexp, target id, owned)``."""
+    """A row's :class:`stats.ChunkStats` stored (the target logit read where the row owns it)."""
     m, s, e, tot = _row_stats(base, W, cap, inv_cap, inv_t, HAS_CAP, HAS_T, SMOOTH, ENTROPY, BLOCK)
     t = tl.load(T + row)
     own = tl.load(OWN + row) != 0
@@ -134,7 +133,6 @@ def _store_row_stats(base, row, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, cap, inv
     tl.store(SUM + row, tot)
     if ENTROPY:
         tl.store(ZEXP + row, e)
-    return m, s, t, own
 
 
 @triton.jit
@@ -167,20 +165,42 @@ def _grad_kernel(
 
 @triton.jit
 def _loss_grad_kernel(
-    X, stride_x, T, OWN, R, MAX, SUMEXP, TGT, SUM, W, cap, inv_cap, inv_t, t_over_cap, zl, keep_t, eps_v,
-    HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr, BLOCK: tl.constexpr,
+    X, stride_x, T, ignore_index, NV, MAX, SUMEXP, TGT, SUM, LOSS, W, cap, inv_cap, inv_t, t_over_cap, zl, keep_t,
+    eps, vocab, eps_v,
+    HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr, MEAN: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    # stats.loss_stats_grad_: the row's statistics, its loss coefficients for the weight r
-    # (stats.loss_grad_coefs: a = r (1 + 2 zl lse) / S, c = r (1 - eps), d = r eps / V), then its
-    # gradient written over it -- the target logit is read before that
+    # stats.loss_stats_grad_, a row per program: its target maps and weight r (stats.local_targets,
+    # stats.token_weights), statistics and loss (stats.token_loss), then the loss coefficients for
+    # r (stats.loss_grad_coefs: a = r (1 + 2 zl lse) / S, c = r (1 - eps), d = r eps / V) and the
+    # gradient written over the row -- its target logit read before that
     row = tl.program_id(0).to(tl.int64)
     base = X + row * stride_x
-    m, s, t, own = _store_row_stats(base, row, T, OWN, MAX, SUMEXP, TGT, SUM, SUM, W, cap, inv_cap, inv_t, HAS_CAP,
-                                    HAS_T, SMOOTH, False, BLOCK)
-    r = tl.load(R + row).to(tl.float32)
+    t = tl.load(T + row).to(tl.int64)
+    valid = t != ignore_index
+    own = valid & (t >= 0) & (t < W)  # an unchecked id outside the vocab owns nothing
+    t = tl.minimum(tl.maximum(t, 0), W - 1)
+    m, s, _, tot = _row_stats(base, W, cap, inv_cap, inv_t, HAS_CAP, HAS_T, SMOOTH, False, BLOCK)
+    xt = tl.where(own, _z(tl.load(base + t).to(tl.float32), cap, inv_cap, inv_t, HAS_CAP, HAS_T), 0.0)
+    log_s = tl.log(s)
+    # each term relative to the max, as token_loss
+    loss = log_s - keep_t * (xt - m)
+    if SMOOTH:
+        loss = loss - eps * (tl.div_rn(tot, vocab) - m)
+    if ZLOSS:
+        lse = m + log_s
+        loss = loss + zl * (lse * lse)
+    tl.store(MAX + row, m)
+    tl.store(SUMEXP + row, s)
+    tl.store(TGT + row, xt)
+    tl.store(SUM + row, tot)
+    tl.store(LOSS + row, tl.where(valid, loss, 0.0))
+    r = tl.where(valid, 1.0, 0.0)
+    if MEAN:  # 1 / n_valid, rounded as torch's division (all ignored: r = 0, the gradient 0)
+        r = tl.div_rn(r, tl.maximum(tl.load(NV).to(tl.float32), 1.0))
     a = r
     if ZLOSS:
-        a = r * (1.0 + 2.0 * zl * (m + tl.log(s)))
+        a = r * (1.0 + 2.0 * zl * (m + log_s))
     _row_grad(base, base, W, t, m, a / s, 0.0, r * eps_v, tl.where(own, r * keep_t, 0.0), cap, inv_cap, inv_t,
               t_over_cap, HAS_CAP, HAS_T, False, SMOOTH, BLOCK, True)
 
@@ -286,29 +306,29 @@ def grad_logits_(x, local_target, owned, shift, coefs, spec) -> torch.Tensor:
     return _grad(x, x, local_target, owned, shift, coefs, spec)
 
 
-def loss_stats_grad_(x, local_target, owned, weights, spec, *, block: int | None = None,
-                     warps: int | None = None) -> stats.ChunkStats:
-    """Drop-in for :func:`vparallel_ce.stats.loss_stats_grad_`: one program per row reads it for
-    the statistics, then walks it back from its end (the tiles last read are the ones most likely
-    still in L2) writing the gradient over it. ``block`` / ``warps``: the launch (default: the
-    gradient pass's, 4096 x 8 warps in 16-bit, the fastest of an H200 sweep at all four benchmark
-    shapes but the odd vocab's, docs/kernels.md)."""
+def loss_stats_grad_(x, target, n_valid, reduction, spec, *, block: int | None = None,
+                     warps: int | None = None) -> tuple[stats.ChunkStats, torch.Tensor]:
+    """Drop-in for :func:`vparallel_ce.stats.loss_stats_grad_`, in ONE launch: a program per row
+    maps its target, reads the row for the statistics and the loss, then walks it back from its
+    end (the tiles last read are the ones most likely still in L2) writing the gradient over it.
+    ``block`` / ``warps``: the launch (default: the gradient pass's, 4096 x 8 warps in 16-bit, the
+    fastest of an H200 sweep at all four benchmark shapes but the odd vocab's, docs/kernels.md)."""
     c, width = x.shape if x.dim() == 2 else (0, 0)
     if not _covered(x) or spec.entropy or x.stride(-1) != 1 or width == 0 or c == 0:
-        return stats.loss_stats_grad_(x, local_target, owned, weights, spec)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    m, se, tg, sm = (torch.empty(c, **f32) for _ in range(4))
-    own = _int8(owned)
+        return stats.loss_stats_grad_(x, target, n_valid, reduction, spec)
+    m, se, tg, sm, loss = torch.empty(5, c, dtype=torch.float32, device=x.device).unbind(0)  # one allocation
     args, flags = _transform_args(spec)
     eps = float(spec.label_smoothing)
+    mean = reduction == "mean"
+    target = target.contiguous()
     dflt_block, dflt_warps = _launch_cfg(width, x.element_size())
     _loss_grad_kernel[(c,)](
-        x, x.stride(0), local_target.contiguous(), own, weights.to(torch.float32).contiguous(), m, se, tg, sm, width,
+        x, x.stride(0), target, spec.ignore_index, n_valid if mean else target, m, se, tg, sm, loss, width,
         args["cap"], args["inv_cap"], args["inv_t"], float(spec.temperature) / args["cap"], float(spec.z_loss),
-        1.0 - eps, eps / spec.vocab_size, SMOOTH=eps > 0, ZLOSS=spec.z_loss > 0, BLOCK=block or dflt_block,
-        num_warps=warps or dflt_warps, **flags,
+        1.0 - eps, eps, float(spec.vocab_size), eps / spec.vocab_size, SMOOTH=eps > 0, ZLOSS=spec.z_loss > 0,
+        MEAN=mean, BLOCK=block or dflt_block, num_warps=warps or dflt_warps, **flags,
     )
-    return stats.ChunkStats(m, se, tg, sm, None)
+    return stats.ChunkStats(m, se, tg, sm, None), loss
 
 
 def scale_rows(x: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
