@@ -228,9 +228,9 @@ class ChunkPolicy:
     def _fit_memory(self, num_tokens: int, vocab_size: int, tp_degree: int, hidden_size: int):
         """``(schedule, count, reason)`` for :attr:`memory_bytes`: one token chunk (3 matmuls) if
         its modelled peak fits, else the widest vocab blocks (128-column multiples, at most
-        ``block_columns``) whose peak does. The vocab peak ``dW + AH + max(2 N Vb, dh)`` stops
-        falling at ``Vb = H``, so when no width fits the blocks are ``H`` wide (the floor, with the
-        fewest blocks)."""
+        ``block_columns``) whose peak does, by :func:`peak_bytes`. A vocab plan's modelled peak stops
+        falling once its blocks are ``H`` wide, so when no width fits the blocks are ``H`` wide (the
+        floor, with the fewest blocks)."""
         target, n, v_loc = int(self.memory_bytes), num_tokens, local_vocab(vocab_size, tp_degree)
 
         def peak(schedule, k):
@@ -241,13 +241,19 @@ class ChunkPolicy:
         if one <= target or v_loc <= 128:
             fits = "within" if one <= target else "over"
             return "token", 1, f"{head}, {fits} the {target / GiB:.2f} GiB memory target (3 matmuls)"
-        # bf16 vocab peak dW + AH + max(2 N Vb, dh): the widest Vb within the target, between the
-        # floor's width H and block_columns
-        base = 2 * v_loc * hidden_size + 4 * n * hidden_size
-        widest = -(-self.block_columns // 128) * 128
-        at_floor = max(128, hidden_size // 128 * 128)
-        width = min(max((target - base) // max(2 * n, 1) // 128 * 128, at_floor), widest)
-        k = len(vocab_blocks(v_loc, math.ceil(v_loc / width)))
+        # The modelled vocab peak falls as the blocks narrow, until they are H wide (from there dh,
+        # not a block's dx, is the largest buffer): search the model itself, from blocks
+        # block_columns wide (fewest) to H wide (most), for the fewest whose peak fits.
+        fewest = math.ceil(v_loc / (-(-self.block_columns // 128) * 128))
+        most = max(fewest, math.ceil(v_loc / max(128, hidden_size // 128 * 128)))
+        if peak("vocab", fewest) <= target:
+            most = fewest
+        lo = fewest  # invariant: peak(lo) > target or lo == most; peak(most) fits or nothing does
+        while most - lo > 1:
+            mid = (lo + most) // 2
+            lo, most = (lo, mid) if peak("vocab", mid) <= target else (mid, most)
+        blocks = vocab_blocks(v_loc, most)
+        k, width = len(blocks), max(b.stop - b.start for b in blocks)
         got = peak("vocab", k)
         if got > target:
             return "vocab", k, (f"{head}, over the {target / GiB:.2f} GiB memory target, and no plan fits: {k} "
