@@ -507,6 +507,11 @@ def test_an_option_seen_valid_is_still_checked_by_its_type():
         vparallel_ce.linear_token_logprobs(hidden, weight, target, temperature=True)
     with pytest.raises(ValueError, match="policy must be a vparallel_ce.ChunkPolicy or None, got \\[1\\]"):
         vparallel_ce.linear_cross_entropy(hidden, weight, target, policy=[1])  # unhashable: checked as ever
+    smoothing = torch.tensor(0.1)  # a tensor option is checked on every call: it can change in place
+    vparallel_ce.linear_cross_entropy(hidden, weight, target, label_smoothing=smoothing)
+    smoothing.fill_(2.0)
+    with pytest.raises(ValueError, match="label_smoothing must be in \\[0, 1\\], got tensor\\(2.\\)"):
+        vparallel_ce.linear_cross_entropy(hidden, weight, target, label_smoothing=smoothing)
 
 
 def test_a_memory_target_runs_the_plan_the_policy_picks_and_matches_the_reference():

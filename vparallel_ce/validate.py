@@ -110,16 +110,18 @@ _OPTION_CHECKS = {
 
 
 _GOOD_OPTIONS: set = set()  # (name, type, value) seen valid: a call repeats its options every step
+# only values that cannot change after the check (a tensor option hashes by identity and could be
+# written in place between calls)
+_CACHED_TYPES = (int, float, str, bool, type(None), ChunkPolicy)
 
 
 def check_options(**options) -> Problem | None:
     """Check the keyword options a call was given (only those named)."""
     for name, value in options.items():
-        try:  # the type is part of the key: True == 1 == 1.0, but chunks=True is not chunks=1
-            if (name, type(value), value) in _GOOD_OPTIONS:
-                continue
-        except TypeError:  # an unhashable value: checked below
-            pass
+        cached = type(value) in _CACHED_TYPES
+        # the type is part of the key: True == 1 == 1.0, but chunks=True is not chunks=1
+        if cached and (name, type(value), value) in _GOOD_OPTIONS:
+            continue
         ok, wanted = _OPTION_CHECKS[name]
         try:
             good = ok(value)
@@ -127,11 +129,8 @@ def check_options(**options) -> Problem | None:
             good = False
         if not good:
             return Problem(ValueError, f"{name} must be {wanted}, got {value!r}")
-        if len(_GOOD_OPTIONS) < 4096:
-            try:
-                _GOOD_OPTIONS.add((name, type(value), value))
-            except TypeError:
-                pass
+        if cached and len(_GOOD_OPTIONS) < 4096:
+            _GOOD_OPTIONS.add((name, type(value), value))
     if options.get("recompute") is False and options.get("reduction") == "none":
         return Problem(ValueError, "recompute=False (gradients made in forward) needs reduction 'mean' or 'sum': "
                                    "with reduction='none' the upstream gradient is only known in backward")
