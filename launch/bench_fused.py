@@ -73,6 +73,16 @@ CANDIDATES = {
         "keep": [],
         "grad": [C(schedule="ws", num_warps=4, block_n=128, num_stages=4, tma_store=False)],
     },
+    # around the persistent defaults: grouping, stages, tile shape, a deeper K step (docs/kernels.md run 9)
+    "sweep": {
+        "stats": [C(schedule="persistent", **kw) for kw in (
+            {}, dict(group_m=4), dict(group_m=16), dict(num_stages=4), dict(block_m=256, block_n=128),
+            dict(block_k=128, num_stages=2))],
+        "keep": [],
+        "grad": [C(schedule="persistent", split_store=True, **kw) for kw in (
+            dict(num_stages=4), dict(num_stages=4, group_m=4), dict(num_stages=4, group_m=16), dict(num_stages=3),
+            dict(num_stages=4, block_m=256, block_n=128), dict(block_k=128, num_stages=2))],
+    },
 }
 SMALL_CANDIDATES = {k: [C(block_m=16, block_n=32, block_k=16, num_stages=2, num_warps=4, schedule=s)
                         for s in ("tiles", "persistent", "ws")] for k in ("stats", "keep", "grad")}
@@ -297,8 +307,8 @@ def main(argv=None):
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     shapes = SMALL_SHAPES if args.small else SHAPES
-    if args.shapes:
-        shapes = {k: v for k, v in shapes.items() if k in args.shapes}
+    if args.shapes:  # names of bench_loss's shapes, or N x H x V
+        shapes = {k: shapes[k] if k in shapes else tuple(int(x) for x in k.lower().split("x")) for k in args.shapes}
     if args.small:
         cands = SMALL_CANDIDATES
         args.repeats, args.warmup = min(args.repeats, 2), 1
