@@ -46,7 +46,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loss import SHAPES  # noqa: E402  (the lm_head shapes of docs/benchmarks.md)
+from bench_loss import SHAPES, shape_of  # noqa: E402  (the lm_head shapes of docs/benchmarks.md)
 from vparallel_ce import stats  # noqa: E402
 from vparallel_ce.kernels import fused_linear as fl  # noqa: E402
 from vparallel_ce.kernels import triton_ce as tc  # noqa: E402
@@ -308,7 +308,7 @@ def main(argv=None):
     dtype = torch.bfloat16 if cuda else torch.float32
     shapes = SMALL_SHAPES if args.small else SHAPES
     if args.shapes:  # names of bench_loss's shapes, or N x H x V
-        shapes = {k: shapes[k] if k in shapes else tuple(int(x) for x in k.lower().split("x")) for k in args.shapes}
+        shapes = {k: shapes[k] if k in shapes else shape_of(k) for k in args.shapes}
     if args.small:
         cands = SMALL_CANDIDATES
         args.repeats, args.warmup = min(args.repeats, 2), 1

@@ -51,6 +51,12 @@ SHAPES = {
     "odd_small": (16384, 768, 32777),
 }
 SMALL_SHAPES = {"small_a": (512, 256, 8000), "small_odd": (384, 96, 3001)}
+
+
+def shape_of(name: str) -> tuple[int, int, int]:
+    """``(N, H, V)`` of a shape named in SHAPES / SMALL_SHAPES, or given as ``NxHxV``."""
+    known = {**SHAPES, **SMALL_SHAPES}
+    return known[name] if name in known else tuple(int(x) for x in name.lower().split("x"))
 CHUNKS = (1, 2, 4, 8, 16, 32)
 PEERS = ("fp32_plain", "bf16_plain", "compile", "torch_lce", "liger", "cce", "gemm3", "kernels")
 
@@ -359,15 +365,7 @@ def main(argv=None):
     if args.small and torch.cuda.is_available():
         device = torch.device("cuda")
     table = SMALL_SHAPES if args.small else SHAPES
-    if args.shapes:
-        shapes = {}
-        for s in args.shapes.split(","):
-            if s in SHAPES or s in SMALL_SHAPES:
-                shapes[s] = {**SHAPES, **SMALL_SHAPES}[s]
-            else:
-                shapes[s] = tuple(int(x) for x in s.lower().split("x"))
-    else:
-        shapes = table
+    shapes = {s: shape_of(s) for s in args.shapes.split(",")} if args.shapes else table
     chunk_list = [int(c) for c in args.chunks.split(",") if c]
     ours = [f"ours:{s}:{c}" for s in ("token", "vocab") for c in chunk_list]
     ours += ["ours:token:auto", "ours:vocab:auto", "ours:auto:auto"]

@@ -118,10 +118,13 @@ _CACHED_TYPES = (int, float, str, bool, type(None), ChunkPolicy)
 def check_options(**options) -> Problem | None:
     """Check the keyword options a call was given (only those named)."""
     for name, value in options.items():
-        cached = type(value) in _CACHED_TYPES
         # the type is part of the key: True == 1 == 1.0, but chunks=True is not chunks=1
-        if cached and (name, type(value), value) in _GOOD_OPTIONS:
-            continue
+        key = (name, type(value), value) if type(value) in _CACHED_TYPES else None
+        try:
+            if key in _GOOD_OPTIONS:
+                continue
+        except TypeError:  # a ChunkPolicy holding an unhashable field: checked, never cached
+            key = None
         ok, wanted = _OPTION_CHECKS[name]
         try:
             good = ok(value)
@@ -129,8 +132,8 @@ def check_options(**options) -> Problem | None:
             good = False
         if not good:
             return Problem(ValueError, f"{name} must be {wanted}, got {value!r}")
-        if cached and len(_GOOD_OPTIONS) < 4096:
-            _GOOD_OPTIONS.add((name, type(value), value))
+        if key is not None and len(_GOOD_OPTIONS) < 4096:
+            _GOOD_OPTIONS.add(key)
     if options.get("recompute") is False and options.get("reduction") == "none":
         return Problem(ValueError, "recompute=False (gradients made in forward) needs reduction 'mean' or 'sum': "
                                    "with reduction='none' the upstream gradient is only known in backward")
