@@ -32,9 +32,7 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -46,7 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loss import SHAPES, shape_of  # noqa: E402  (the lm_head shapes of docs/benchmarks.md)
+from bench_loss import SHAPES, shape_of, timed  # noqa: E402  (the lm_head shapes of docs/benchmarks.md)
 from vparallel_ce import stats  # noqa: E402
 from vparallel_ce.kernels import fused_linear as fl  # noqa: E402
 from vparallel_ce.kernels import triton_ce as tc  # noqa: E402
@@ -97,26 +95,6 @@ def cfg_name(cfg: fl.TileConfig) -> str:
 
 
 # ------------------------------------------------------------------------------------------- timing
-
-def timed(fn, device, repeats: int, warmup: int) -> float:
-    """Median milliseconds of ``fn()`` (CUDA events on GPU, host clock otherwise)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
 
 def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.float(), ref.float()

@@ -222,6 +222,27 @@ def run_once(fn, h, w, t):
     return loss, None
 
 
+def timed(fn, device, repeats: int, warmup: int) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` calls after ``warmup`` (CUDA events on a
+    GPU, each call synchronised; host clock otherwise)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def time_and_peak(step, params, *, repeats: int, warmup: int, device):
     """Median ms of ``step()`` (one forward+backward) over ``repeats`` after ``warmup`` (CUDA
     events; host clock on CPU), then one more call from a clean state for the peak memory over
@@ -231,24 +252,14 @@ def time_and_peak(step, params, *, repeats: int, warmup: int, device):
         for p in params:
             p.grad = None
 
+    def cleaned():
+        clean()
+        return step()
+
     for _ in range(warmup):
-        clean()
-        step()
+        cleaned()
     _sync(device)
-    times = []
-    for _ in range(repeats):
-        clean()
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            s = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - s) * 1e3)
+    ms = timed(cleaned, device, repeats, warmup=0)
     clean()
     peak = float("nan")
     if device.type == "cuda":
@@ -260,7 +271,7 @@ def time_and_peak(step, params, *, repeats: int, warmup: int, device):
     if device.type == "cuda":
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / GiB
-    return statistics.median(times), peak, result
+    return ms, peak, result
 
 
 def measure(fn, h, w, t, repeats: int, warmup: int, device):

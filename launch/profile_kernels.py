@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import statistics
 import sys
 from pathlib import Path
 
@@ -39,19 +38,6 @@ def profile_step(step) -> tuple[float, float, int, list[tuple[str, float, int]]]
     return sum(ms for _, ms, _ in families), span, len(evs), families
 
 
-def timed_steps(step, steps: int) -> float:
-    """Median ms of ``steps`` event-timed calls of ``step()``, back to back."""
-    times = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="llama3_8b", help="comma list of bench_loss shape names, or NxHxV")
@@ -69,9 +55,7 @@ def main(argv=None):
                 print(f"# {name}: not available here")
                 continue
             step = lambda: bench_loss.run_once(fn, h, w, t)  # noqa: E731
-            for _ in range(3):
-                step()
-            ms = timed_steps(step, args.steps)
+            ms = bench_loss.timed(step, dev, args.steps, warmup=3)
             busy, span, count, families = profile_step(step)
             print(f"\n## {tag} {name} ({bench_loss.ours_plan(name, *h.shape, w.shape[0], dev) or '-'}): "
                   f"median {ms:.2f} ms over {args.steps} steps; traced step: busy {busy:.2f} ms, span "
