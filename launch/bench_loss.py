@@ -222,13 +222,18 @@ def run_once(fn, h, w, t):
     return loss, None
 
 
-def timed(fn, device, repeats: int, warmup: int) -> float:
+def timed(fn, device, repeats: int, warmup: int, *, setup=None) -> float:
     """Median milliseconds of ``fn()`` over ``repeats`` calls after ``warmup`` (CUDA events on a
-    GPU, each call synchronised; host clock otherwise)."""
+    GPU, each call synchronised; host clock otherwise). ``setup()``, if given, runs before every
+    call, outside the timed region."""
     for _ in range(warmup):
+        if setup is not None:
+            setup()
         fn()
     times = []
     for _ in range(repeats):
+        if setup is not None:
+            setup()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -252,14 +257,11 @@ def time_and_peak(step, params, *, repeats: int, warmup: int, device):
         for p in params:
             p.grad = None
 
-    def cleaned():
-        clean()
-        return step()
-
     for _ in range(warmup):
-        cleaned()
+        clean()
+        step()
     _sync(device)
-    ms = timed(cleaned, device, repeats, warmup=0)
+    ms = timed(step, device, repeats, warmup=0, setup=clean)
     clean()
     peak = float("nan")
     if device.type == "cuda":

@@ -47,7 +47,6 @@ import datetime
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -61,6 +60,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vparallel_ce  # noqa: E402
 from vparallel_ce import policy as _policy  # noqa: E402
 from vparallel_ce.layout import shard_range  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_loss import timed  # noqa: E402
 
 GiB = 1024**3
 PERF_SHAPE = (8192, 4096, 128256)          # Llama3-8B lm_head: tokens, hidden, vocab
@@ -343,20 +345,7 @@ def measure(step, zero, device, repeats: int, warmup: int):
         step()
     sync(device)
     dist.barrier()
-    times = []
-    for _ in range(repeats):
-        zero()
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            s = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - s) * 1e3)
+    ms = timed(step, device, repeats, warmup=0, setup=zero)
     zero()
     peak = math.nan
     if device.type == "cuda":
@@ -368,7 +357,7 @@ def measure(step, zero, device, repeats: int, warmup: int):
         torch.cuda.synchronize(device)
         peak = (torch.cuda.max_memory_allocated(device) - base) / GiB
     zero()
-    return statistics.median(times), peak
+    return ms, peak
 
 
 def perf_all(args, shape, groups, meshes, device, emit):
