@@ -396,6 +396,23 @@ def test_ranks_with_different_chunk_policies_get_an_error_on_every_rank_not_a_ha
         assert error is not None and "disagree on chunk policy" in error, error
 
 
+def _bad_policy_rank(rank, world):
+    hidden, weight, _, target = make_case(21, tokens=(4, 16), vocab=64, bias=False)
+    policy = vparallel_ce.ChunkPolicy(memory_bytes=-1 if rank == 1 else None)  # say, a target from free memory
+    try:
+        vparallel_ce.linear_cross_entropy(hidden, shard(weight, world, rank, 0), target, policy=policy,
+                                          group=torch.distributed.group.WORLD)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_bad_policy_field_on_one_rank_raises_on_every_rank():
+    errors = run_ranks(_bad_policy_rank, 2, timeout=120)
+    assert errors[1] is not None and "ChunkPolicy.memory_bytes must be" in errors[1], errors
+    assert errors[0] is not None and "invalid input on rank(s) [1]" in errors[0], errors
+
+
 def _bad_target_rank(rank, world):
     hidden, weight, _, target = make_case(17, tokens=(4, 16), vocab=64)
     target[2, 3] = 64  # replicated over the group, as the op requires

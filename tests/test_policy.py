@@ -232,3 +232,35 @@ def test_the_memory_target_is_explained_and_part_of_the_policy_the_ranks_agree_o
     text = explain(16384, 32777, 1, hidden_size=768, fused=True, policy=ChunkPolicy(memory_bytes=int(0.15 * GiB)))
     assert "0.15 GiB memory target" in text and "19 vocab blocks, the fewest that fit" in text, text
     assert _policy_code(ChunkPolicy(memory_bytes=1 << 30)) != _policy_code(ChunkPolicy(memory_bytes=2 << 30))
+
+
+BAD_FIELDS = [
+    ("budget_bytes", -1), ("budget_bytes", float("nan")), ("budget_bytes", "1GiB"),
+    ("min_chunk_tokens", 0), ("block_columns", 0), ("block_columns", 64.0), ("microbatches_in_flight", True),
+    ("memory_bytes", [1]), ("memory_bytes", -(1 << 30)),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD_FIELDS)
+def test_a_bad_policy_field_is_named_by_plan_explain_and_the_ops(field, value):
+    bad = ChunkPolicy(**{field: value})
+    named = rf"ChunkPolicy\.{field} must be"
+    with pytest.raises(ValueError, match=named):
+        choose_plan(8192, 128256, 8, hidden_size=4096, policy=bad)
+    with pytest.raises(ValueError, match=named):
+        explain(8192, 128256, 8, hidden_size=4096, policy=bad)
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(6, 8, generator=g), torch.randn(40, 8, generator=g)
+    t = torch.randint(0, 40, (6,), generator=g)
+    with pytest.raises(ValueError, match=named):
+        vparallel_ce.linear_cross_entropy(h, w, t, policy=bad)
+    with pytest.raises(ValueError, match=named):
+        vparallel_ce.cross_entropy(h @ w.T, t, policy=bad)
+
+
+def test_good_policy_fields_pass_including_the_edges():
+    for fields in ({}, {"budget_bytes": 0}, {"budget_bytes": 1.5e9}, {"memory_bytes": 0}, {"block_columns": 1},
+                   {"min_chunk_tokens": 1, "microbatches_in_flight": 64}):
+        policy = ChunkPolicy(**fields)
+        assert policy.problem() is None, fields
+        choose_plan(8192, 128256, 8, hidden_size=4096, policy=policy)

@@ -37,6 +37,7 @@ defaults.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -89,6 +90,23 @@ class ChunkPolicy:
     block_columns: int = 8192
     microbatches_in_flight: int = 1
     memory_bytes: int | None = None
+    # the fields' problem, found once at construction and part of equality: a policy holding
+    # ``microbatches_in_flight=True`` equals one holding 1 field by field, and must not find that
+    # one's cached plan or its front-door check passed
+    _problem: str | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        for name, (ok, wanted) in _FIELD_RULES.items():
+            value = getattr(self, name)
+            if not ok(value):
+                object.__setattr__(self, "_problem", f"ChunkPolicy.{name} must be {wanted}, got {value!r}")
+                break
+
+    def problem(self) -> str | None:
+        """What is wrong with the fields, as a message naming the field, or None. Not raised at
+        construction: the ops check it at their front door, so that a bad policy on one rank
+        raises on every rank of the group; :meth:`plan` and ``explain`` raise it too."""
+        return self._problem
 
     @property
     def budget(self) -> int:
@@ -126,6 +144,9 @@ class ChunkPolicy:
         except TypeError:  # an unhashable argument: plan it uncached (its check will name it)
             key, found = None, None
         if found is None:
+            problem = self.problem()
+            if problem is not None:
+                raise ValueError(problem)
             found = self._plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, reduction=reduction,
                                chunks=chunks, schedule=schedule, recompute=recompute, fused=fused)
             if key is not None:
@@ -287,6 +308,27 @@ def local_vocab(vocab_size: int, tp_degree: int) -> int:
 # Default bound on one chunk's fp32 logits. See docs/policy.md for the sweep behind it.
 DEFAULT_BUDGET_BYTES = 1 * GiB
 _PLANS: dict = {}  # ChunkPolicy.plan's memo
+
+
+def _count(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+def _bytes(value) -> bool:
+    return value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                             and math.isfinite(value) and value >= 0)
+
+
+# field -> (predicate, what it must be)
+_FIELD_RULES = {
+    "budget_bytes": (_bytes, "a number of bytes >= 0 or None"),
+    "min_chunk_tokens": (_count, "an int >= 1"),
+    "block_columns": (_count, "an int >= 1"),
+    "microbatches_in_flight": (_count, "an int >= 1"),
+    "memory_bytes": (_bytes, "a number of bytes >= 0 or None"),
+}
+
+
 DEFAULT_POLICY = ChunkPolicy()
 
 

@@ -132,6 +132,8 @@ def check_options(**options) -> Problem | None:
             good = False
         if not good:
             return Problem(ValueError, f"{name} must be {wanted}, got {value!r}")
+        if name == "policy" and value is not None and (field_problem := value.problem()) is not None:
+            return Problem(ValueError, f"policy: {field_problem}")
         if key is not None and len(_GOOD_OPTIONS) < 4096:
             _GOOD_OPTIONS.add(key)
     if options.get("recompute") is False and options.get("reduction") == "none":
