@@ -1,4 +1,4 @@
-"""Two versions of vparallel_ce side by side in ONE process, interleaved with ``torch.compile``.
+"""Versions of vparallel_ce side by side in ONE process, interleaved with ``torch.compile``.
 
 A difference of a few percent at a host-bound shape (the TP=8 shard: ~5 ms of GPU work, ~2 ms of
 host time per call) is below what two separate processes on the same card reproduce, so this
@@ -7,19 +7,23 @@ rotating the order, against ``torch.compile`` of the plain loss in the same proc
 
     git archive <old-commit> vparallel_ce | tar -x -C /tmp/old      # here, then carry /tmp/old
     python launch/bench_ab.py --old /tmp/old --shapes llama3_8b_tp8 --timeline
+    python launch/bench_ab.py --old base=/tmp/old --old variant=/tmp/variant --ahead-ms 3
 
 Per shape and method: the median over ``--rounds`` rounds of ``bench_loss``'s measure (median of
-10 fwd+bwd after 2 warm-ups, from an idle GPU) and the ratio to compile. ``--timeline``: a
-CUDA-only profile of one step per method (a spin kernel marks the step start): the GPU's idle
-time before its first kernel, its busy time, the idle gaps and the largest of them. Then the host
-time per fwd+bwd of tiny inputs (GPU work nil), interleaved the same way.
+10 fwd+bwd after 2 warm-ups, from an idle GPU) and the ratio to compile; with ``--ahead-ms``
+also the same measure behind that much queued GPU work (``bench_loss.timed``: the training-step
+case, where the host is ahead of the GPU when the loss is called). ``--timeline``: a CUDA-only
+profile of one step per method (a spin kernel marks the step start): the GPU's idle time before
+its first kernel, its busy time, the idle gaps and the largest of them, and when the target
+check's span kernel ran against the first kernel. Then the host time per fwd+bwd of tiny inputs
+(GPU work nil), interleaved the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import math
 import shutil
 import statistics
 import sys
@@ -36,23 +40,21 @@ import bench_loss  # noqa: E402  (puts this checkout first on sys.path and impor
 import vparallel_ce as new  # noqa: E402
 
 
-def import_old(path: Path):
-    """The package at ``path/vparallel_ce`` imported as ``vparallel_ce_old`` (its imports are
+def import_old(path: Path, name: str = "old"):
+    """The package at ``path/vparallel_ce`` imported as ``vparallel_ce_<name>`` (its imports are
     relative, so a renamed copy is a second, independent package)."""
     tmp = Path(tempfile.mkdtemp())
-    shutil.copytree(path / "vparallel_ce", tmp / "vparallel_ce_old")
+    shutil.copytree(path / "vparallel_ce", tmp / f"vparallel_ce_{name}")
     sys.path.insert(0, str(tmp))
-    import vparallel_ce_old
-
-    return vparallel_ce_old
+    return importlib.import_module(f"vparallel_ce_{name}")
 
 
-def methods(old) -> dict:
+def methods(olds: dict) -> dict:
+    """``compile`` and, for this checkout (``new``) and each named older copy, ``auto``,
+    ``chunks=1`` and ``chunks=1,check=False``."""
     plain = torch.compile(lambda h, w, t: F.cross_entropy((h @ w.t()).float(), t), dynamic=False)
     found = {"compile": lambda h, w, t: plain(h, w, t)}
-    for tag, mod in (("new", new), ("old", old)):
-        if mod is None:
-            continue
+    for tag, mod in (("new", new), *olds.items()):
         found[f"{tag}:auto"] = lambda h, w, t, m=mod: m.linear_cross_entropy(h, w, t)
         found[f"{tag}:chunks=1"] = lambda h, w, t, m=mod: m.linear_cross_entropy(h, w, t, chunks=1)
         found[f"{tag}:chunks=1,check=False"] = lambda h, w, t, m=mod: m.linear_cross_entropy(h, w, t, chunks=1,
@@ -97,8 +99,15 @@ def timeline(fn, h, w, t, steps: int = 5) -> dict:
         busy = sum(e["dur"] for e in body)
         gaps = sorted(((b["ts"] - a["ts"] - a["dur"], a["name"][:32], b["name"][:32]) for a, b in zip(body, body[1:])),
                       reverse=True)
-        rows.append(dict(span_us=round(end - t0), before_first_us=round(body[0]["ts"] - t0), busy_us=round(busy),
-                         kernels=len(body), largest_gaps=[(round(g), a, b) for g, a, b in gaps[:3]]))
+        row = dict(span_us=round(end - t0), before_first_us=round(body[0]["ts"] - t0), busy_us=round(busy),
+                   kernels=len(body), largest_gaps=[(round(g), a, b) for g, a, b in gaps[:3]])
+        check = [e for e in body if "span_kernel" in e["name"]]
+        if check:  # the target check's kernel against the first kernel's run (us from its start)
+            first = body[0]
+            row["check_kernel"] = dict(start=round(check[0]["ts"] - first["ts"]),
+                                       end=round(check[0]["ts"] + check[0]["dur"] - first["ts"]),
+                                       first_kernel=first["name"][:32], first_kernel_us=round(first["dur"]))
+        rows.append(row)
     rows.sort(key=lambda r: r["span_us"])
     return rows[len(rows) // 2] if rows else {}
 
@@ -111,9 +120,12 @@ def host_ms_median(fn, rounds: int) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--old", type=Path, default=None, help="a folder holding the older vparallel_ce/ package")
+    p.add_argument("--old", action="append", default=[],
+                   help="a folder holding an older vparallel_ce/ package, as PATH or NAME=PATH (repeatable)")
     p.add_argument("--shapes", default="llama3_8b_tp8")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--ahead-ms", type=float, default=0.0,
+                   help="also time each method behind this much queued GPU work (bench_loss.timed)")
     p.add_argument("--timeline", action="store_true")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -121,36 +133,45 @@ def main(argv=None) -> int:
         print("needs CUDA")
         return 1
     dev = torch.device("cuda")
-    old = import_old(args.old) if args.old else None
-    fns = methods(old)
+    olds = {}
+    for spec in args.old:
+        name, _, path = spec.rpartition("=")
+        olds[name or "old"] = import_old(Path(path), name or "old")
+    fns = methods(olds)
     names = list(fns)
     rows = []
     for tag in args.shapes.split(","):
-        n, hdim, v = bench_loss.SHAPES[tag]
-        g = torch.Generator(device="cpu").manual_seed(0)
-        h = torch.randn(n, hdim, generator=g).to(dev, torch.bfloat16).requires_grad_()
-        w = (torch.randn(v, hdim, generator=g) / math.sqrt(hdim)).to(dev, torch.bfloat16).requires_grad_()
-        t = torch.randint(0, v, (n,), generator=g).to(dev)
-        runs, peaks = {k: [] for k in names}, {k: [] for k in names}
+        h, w, t = bench_loss.inputs(bench_loss.shape_of(tag), dev)
+        runs, peaks, ahead = ({k: [] for k in names} for _ in range(3))
         for r in range(args.rounds):
             for k in names[r % len(names):] + names[: r % len(names)]:  # rotate the order each round
-                ms, peak, _ = bench_loss.time_and_peak(lambda: bench_loss.run_once(fns[k], h, w, t), (h, w),
-                                                       repeats=10, warmup=2, device=dev)
+                step = lambda: bench_loss.run_once(fns[k], h, w, t)  # noqa: E731
+                ms, peak, _ = bench_loss.time_and_peak(step, (h, w), repeats=10, warmup=2, device=dev)
                 runs[k].append(ms)
                 peaks[k].append(peak)
+                if args.ahead_ms:
+                    ms, _, _ = bench_loss.time_and_peak(step, (h, w), repeats=10, warmup=2, device=dev,
+                                                        ahead_ms=args.ahead_ms)
+                    ahead[k].append(ms)
         for k in names:
             rec = dict(shape=tag, method=k, ms=statistics.median(runs[k]), peak_gib=round(max(peaks[k]), 4),
                        rounds=[round(x, 3) for x in runs[k]])
+            if args.ahead_ms:
+                rec.update(ahead_ms=args.ahead_ms, ms_behind=statistics.median(ahead[k]),
+                           rounds_behind=[round(x, 3) for x in ahead[k]])
             if args.timeline:
                 rec["timeline"] = timeline(fns[k], h, w, t)
             rows.append(rec)
             print(json.dumps(rec), flush=True)
     host = {k: host_ms_median(fns[k], args.rounds) for k in names}
-    print("\n| shape | method | ms (median of rounds) | vs compile | peak GiB |")
-    print("|---|---|---|---|---|")
+    print("\n| shape | method | ms (median of rounds) | vs compile | behind queued work: ms | vs compile | peak GiB |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        base = next(x["ms"] for x in rows if x["shape"] == r["shape"] and x["method"] == "compile")
-        print(f"| {r['shape']} | {r['method']} | {r['ms']:.3f} | {r['ms'] / base:.3f}x | {r['peak_gib']:.3f} |")
+        base = next(x for x in rows if x["shape"] == r["shape"] and x["method"] == "compile")
+        behind = (f"{r['ms_behind']:.3f} | {r['ms_behind'] / base['ms_behind']:.3f}x" if args.ahead_ms
+                  else "- | -")
+        print(f"| {r['shape']} | {r['method']} | {r['ms']:.3f} | {r['ms'] / base['ms']:.3f}x | {behind} "
+              f"| {r['peak_gib']:.3f} |")
     print("\n| method | host ms per fwd+bwd (64 tokens, V=4096) |")
     print("|---|---|")
     for k, ms in host.items():

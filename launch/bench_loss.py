@@ -222,10 +222,14 @@ def run_once(fn, h, w, t):
     return loss, None
 
 
-def timed(fn, device, repeats: int, warmup: int, *, setup=None) -> float:
+def timed(fn, device, repeats: int, warmup: int, *, setup=None, ahead_ms: float = 0.0) -> float:
     """Median milliseconds of ``fn()`` over ``repeats`` calls after ``warmup`` (CUDA events on a
     GPU, each call synchronised; host clock otherwise). ``setup()``, if given, runs before every
-    call, outside the timed region."""
+    call, outside the timed region. ``ahead_ms`` (GPU only): each call is queued behind a spin
+    kernel of about that many ms, launched before the call's host work as a model's forward is in
+    a training step, and timed from the spin's end: host time the queue hides is not counted
+    (``0``: from an idle GPU, where every us of host time before the first kernel is)."""
+    cycles = spin_cycles(ahead_ms, device) if ahead_ms else 0
     for _ in range(warmup):
         if setup is not None:
             setup()
@@ -236,6 +240,8 @@ def timed(fn, device, repeats: int, warmup: int, *, setup=None) -> float:
             setup()
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if cycles:
+                torch.cuda._sleep(cycles)
             start.record()
             fn()
             end.record()
@@ -248,11 +254,29 @@ def timed(fn, device, repeats: int, warmup: int, *, setup=None) -> float:
     return statistics.median(times)
 
 
-def time_and_peak(step, params, *, repeats: int, warmup: int, device):
+_CYCLES_PER_MS: dict = {}
+
+
+def spin_cycles(ms: float, device) -> int:
+    """``torch.cuda._sleep`` cycles that spin about ``ms`` on ``device`` (measured once)."""
+    if device not in _CYCLES_PER_MS:
+        probe = 10**6
+        torch.cuda._sleep(probe)  # warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_MS[device] = probe / start.elapsed_time(end)
+    return int(ms * _CYCLES_PER_MS[device])
+
+
+def time_and_peak(step, params, *, repeats: int, warmup: int, device, ahead_ms: float = 0.0):
     """Median ms of ``step()`` (one forward+backward) over ``repeats`` after ``warmup`` (CUDA
-    events; host clock on CPU), then one more call from a clean state for the peak memory over
-    what was allocated before it (GiB, CUDA only). Returns ``(ms, peak, that call's result)``.
-    ``params``: the tensors whose ``.grad`` is cleared before each call."""
+    events; host clock on CPU; ``ahead_ms`` as in :func:`timed`), then one more call from a clean
+    state for the peak memory over what was allocated before it (GiB, CUDA only). Returns
+    ``(ms, peak, that call's result)``. ``params``: the tensors whose ``.grad`` is cleared before
+    each call."""
     def clean():
         for p in params:
             p.grad = None
@@ -261,7 +285,7 @@ def time_and_peak(step, params, *, repeats: int, warmup: int, device):
         clean()
         step()
     _sync(device)
-    ms = timed(step, device, repeats, warmup=0, setup=clean)
+    ms = timed(step, device, repeats, warmup=0, setup=clean, ahead_ms=ahead_ms)
     clean()
     peak = float("nan")
     if device.type == "cuda":
