@@ -4,7 +4,8 @@ For each shape N x H x V (tokens x hidden x vocab; bf16 hidden states and weight
 mean reduction) and each method it measures
 
 * ``ms``: forward+backward time, median of ``--repeats`` after warm-up (CUDA events; host clock
-  on CPU);
+  on CPU), from an idle GPU; with ``--ahead-ms`` also ``ms_behind``, the same behind that much
+  queued GPU work (the training-step case, where host time before the first kernel is hidden);
 * ``peak``: ``max_memory_allocated`` during one forward+backward minus what was allocated before
   it (the resident inputs), so it includes the returned gradients dh and dW (CUDA only);
 * ``err``: ``|x - ref| / |ref|`` of the loss, dh and dW against a float64 reference computed in
@@ -340,6 +341,10 @@ def bench_shape(tag, shape, methods, args, device, emit):
                 continue
             ms, peak, loss, _ = measure(fn, h, w, t, args.repeats, args.warmup, device)
             rec.update(ms=ms, peak_gib=peak, tflops=flops3 / (ms * 1e-3) / 1e12)
+            if args.ahead_ms and device.type == "cuda":  # the training-step case: see timed()
+                rec.update(ahead_ms=args.ahead_ms, ms_behind=time_and_peak(
+                    lambda: run_once(fn, h, w, t), (h, w), repeats=args.repeats, warmup=args.warmup, device=device,
+                    ahead_ms=args.ahead_ms)[0])
             if loss is not None:
                 rec.update(err_loss=abs(float(loss.detach()) - float(ref_loss)) / abs(float(ref_loss)),
                            err_dh=rel(h.grad, ref_dh), err_dw=rel(w.grad, ref_dw))
@@ -369,7 +374,9 @@ def print_tables(records):
         if "error" in r:
             print(f"| {r['shape']} | {r['method']} | {r['plan']} | {r['error']} | | | | | |")
             continue
-        print(f"| {r['shape']} | {r['method']} | {r['plan']} | {fmt(r['ms'], '.2f')} | {fmt(r['peak_gib'], '.3f')} | "
+        behind = f" ({fmt(r['ms_behind'], '.2f')} behind queued work)" if "ms_behind" in r else ""
+        print(f"| {r['shape']} | {r['method']} | {r['plan']} | {fmt(r['ms'], '.2f')}{behind} | "
+              f"{fmt(r['peak_gib'], '.3f')} | "
               f"{fmt(r.get('tflops'), '.0f')} | {fmt(r.get('err_loss'), '.1e')} | {fmt(r.get('err_dh'), '.1e')} | "
               f"{fmt(r.get('err_dw'), '.1e')} |")
     # the frontier: chunk count x schedule, per shape
@@ -403,6 +410,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", default=None, help="JSON-lines output (default $OUT/bench_loss.jsonl if $OUT is set)")
+    p.add_argument("--ahead-ms", type=float, default=0.0,
+                   help="also time each method behind this much queued GPU work (ms_behind; see timed())")
     p.add_argument("--ref-fp32", action="store_true", help="fp32 reference instead of fp64")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
