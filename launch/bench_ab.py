@@ -145,14 +145,11 @@ def main(argv=None) -> int:
         runs, peaks, ahead = ({k: [] for k in names} for _ in range(3))
         for r in range(args.rounds):
             for k in names[r % len(names):] + names[: r % len(names)]:  # rotate the order each round
-                step = lambda: bench_loss.run_once(fns[k], h, w, t)  # noqa: E731
-                ms, peak, _ = bench_loss.time_and_peak(step, (h, w), repeats=10, warmup=2, device=dev)
+                ms, peak, _, _ = bench_loss.measure(fns[k], h, w, t, 10, 2, dev)
                 runs[k].append(ms)
                 peaks[k].append(peak)
                 if args.ahead_ms:
-                    ms, _, _ = bench_loss.time_and_peak(step, (h, w), repeats=10, warmup=2, device=dev,
-                                                        ahead_ms=args.ahead_ms)
-                    ahead[k].append(ms)
+                    ahead[k].append(bench_loss.measure(fns[k], h, w, t, 10, 2, dev, ahead_ms=args.ahead_ms)[0])
         for k in names:
             rec = dict(shape=tag, method=k, ms=statistics.median(runs[k]), peak_gib=round(max(peaks[k]), 4),
                        rounds=[round(x, 3) for x in runs[k]])

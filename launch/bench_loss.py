@@ -301,9 +301,10 @@ def time_and_peak(step, params, *, repeats: int, warmup: int, device, ahead_ms: 
     return ms, peak, result
 
 
-def measure(fn, h, w, t, repeats: int, warmup: int, device):
+def measure(fn, h, w, t, repeats: int, warmup: int, device, ahead_ms: float = 0.0):
+    """``(ms, peak GiB, loss, extra)`` of one method's forward+backward (:func:`time_and_peak`)."""
     ms, peak, (loss, extra) = time_and_peak(lambda: run_once(fn, h, w, t), (h, w), repeats=repeats, warmup=warmup,
-                                            device=device)
+                                            device=device, ahead_ms=ahead_ms)
     return ms, peak, loss, extra
 
 
@@ -342,9 +343,8 @@ def bench_shape(tag, shape, methods, args, device, emit):
             ms, peak, loss, _ = measure(fn, h, w, t, args.repeats, args.warmup, device)
             rec.update(ms=ms, peak_gib=peak, tflops=flops3 / (ms * 1e-3) / 1e12)
             if args.ahead_ms and device.type == "cuda":  # the training-step case: see timed()
-                rec.update(ahead_ms=args.ahead_ms, ms_behind=time_and_peak(
-                    lambda: run_once(fn, h, w, t), (h, w), repeats=args.repeats, warmup=args.warmup, device=device,
-                    ahead_ms=args.ahead_ms)[0])
+                rec.update(ahead_ms=args.ahead_ms, ms_behind=measure(fn, h, w, t, args.repeats, args.warmup, device,
+                                                                     ahead_ms=args.ahead_ms)[0])
             if loss is not None:
                 rec.update(err_loss=abs(float(loss.detach()) - float(ref_loss)) / abs(float(ref_loss)),
                            err_dh=rel(h.grad, ref_dh), err_dw=rel(w.grad, ref_dw))
