@@ -2,11 +2,15 @@
 bf16), so the GPU work is nil and the time is what the CPU spends launching it. A call whose host
 time exceeds its GPU time leaves the GPU idle (docs/benchmarks.md, run 5).
 
-    python launch/bench_host.py          # on a CUDA machine
+    python launch/bench_host.py              # on a CUDA machine
+    python launch/bench_host.py --profile    # and a cProfile of ours per call (where the host time goes)
 """
 
 from __future__ import annotations
 
+import argparse
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -43,7 +47,26 @@ def host_ms(loss, h, w, steps: int = 50) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def main(steps: int = 50) -> None:
+def profile(loss, h, w, steps: int = 50, top: int = 25) -> None:
+    """cProfile of ``steps`` forward+backward calls (after ``host_ms``'s warm-ups): the functions
+    by their own time, then by cumulative time (cProfile inflates Python next to C calls)."""
+    host_ms(loss, h, w, steps=1)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        h.grad = w.grad = None
+        loss().backward()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumtime").print_stats(top)
+
+
+def main(argv=None, steps: int = 50) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", action="store_true", help="also profile our calls (cProfile)")
+    args = p.parse_args(argv)
     h, w, t = tiny_inputs()
     compiled = torch.compile(lambda a, b, c: F.cross_entropy((a @ b.t()).float(), c))
     cases = {
@@ -55,6 +78,8 @@ def main(steps: int = 50) -> None:
     }
     for name, loss in cases.items():
         print(f"host {name}: {host_ms(loss, h, w, steps):.3f} ms per fwd+bwd", flush=True)
+        if args.profile and name.startswith("ours"):
+            profile(loss, h, w, steps)
 
 
 if __name__ == "__main__":
