@@ -69,6 +69,67 @@ def test_modules_hold_their_options():
     assert rel_err(fn(logits, target), reference_loss(logits, target, label_smoothing=0.2, reduction="sum")) < 1e-12
 
 
+# ---------------------------------------------------------------------------------------------
+# Options are checked when the loss is built, not at its first call
+
+
+WRAPPERS = (vparallel_ce.PlainCrossEntropy, vparallel_ce.VocabParallelCrossEntropy, vparallel_ce.LinearCrossEntropy)
+
+
+@pytest.mark.parametrize("name", ["naive", "chunked", "fused"])
+def test_build_loss_fn_rejects_an_unknown_keyword(name):
+    with pytest.raises(TypeError, match=r"unexpected keyword 'chunk_size'.*it takes .*label_smoothing"):
+        vparallel_ce.build_loss_fn(name, chunk_size=4)
+
+
+def test_unknown_keyword_error_suggests_the_close_option():
+    with pytest.raises(TypeError, match=r"'chunk_size' \(did you mean 'chunks'\?\)"):
+        vparallel_ce.build_loss_fn("chunked", chunk_size=4)
+
+
+@pytest.mark.parametrize("name, options, message", [
+    ("chunked", {"chunks": 0}, r"chunks must be an int >= 1 or 'auto', got 0"),
+    ("chunked", {"reduction": "avg"}, r"reduction must be one of .*got 'avg'"),
+    ("naive", {"label_smoothing": 1.5}, r"label_smoothing must be in \[0, 1\], got 1.5"),
+    ("naive", {"z_loss": -1.0}, r"z_loss must be >= 0, got -1.0"),
+    ("fused", {"schedule": "rows"}, r"schedule must be one of .*got 'rows'"),
+    ("fused", {"policy": "small"}, r"policy must be a vparallel_ce.ChunkPolicy or None, got 'small'"),
+    ("fused", {"recompute": False, "reduction": "none"}, r"recompute=False .*reduction='none'"),
+])
+def test_build_loss_fn_rejects_a_bad_value(name, options, message):
+    with pytest.raises(ValueError, match=message):
+        vparallel_ce.build_loss_fn(name, **options)
+
+
+@pytest.mark.parametrize("cls, options, error", [
+    (vparallel_ce.PlainCrossEntropy, {"chunks": 2}, TypeError),  # the reference has no chunks
+    (vparallel_ce.PlainCrossEntropy, {"softcap": 0.0}, ValueError),
+    (vparallel_ce.VocabParallelCrossEntropy, {"schedule": "vocab"}, TypeError),  # linear only
+    (vparallel_ce.VocabParallelCrossEntropy, {"ignore_index": 1.5}, ValueError),
+    (vparallel_ce.LinearCrossEntropy, {"bias": None}, TypeError),  # an input of forward, not an option
+    (vparallel_ce.LinearCrossEntropy, {"recompute": "yes"}, ValueError),
+])
+def test_each_module_wrapper_rejects_bad_options_at_construction(cls, options, error):
+    (key,) = options
+    with pytest.raises(error, match=rf"{cls.__name__}.*{key}"):
+        cls(**options)
+
+
+@pytest.mark.parametrize("cls", WRAPPERS)
+def test_each_module_wrapper_accepts_every_option_of_its_op(cls):
+    # every option at the op's own default: an option added to an op without a value check
+    # would fail here rather than in a user's constructor
+    import inspect
+
+    op = {vparallel_ce.VocabParallelCrossEntropy: vparallel_ce.cross_entropy,
+          vparallel_ce.LinearCrossEntropy: vparallel_ce.linear_cross_entropy,
+          vparallel_ce.PlainCrossEntropy: vparallel_ce.cross_entropy}[cls]
+    defaults = {p.name: p.default for p in inspect.signature(op).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    options = {k: defaults[k] for k in cls.OPTIONS}
+    assert cls(**options).options == options
+
+
 def megatron_rank(rank, world):
     import torch.distributed as dist
 

@@ -12,9 +12,16 @@ name (aliases)                module                                 call
 
 ``naive`` is the reference users compare against: gather the vocab-sharded logits, upcast to fp32,
 ``F.cross_entropy`` (+ z-loss/softcap with the same definitions), which costs the full fp32 logits.
+
+Options are checked when the module is built, not at its first call: an unknown keyword raises a
+``TypeError`` naming it, a bad value the ``ValueError`` the op itself would raise
+(:func:`vparallel_ce.validate.check_options`).
 """
 
 from __future__ import annotations
+
+import difflib
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -25,16 +32,41 @@ from .call import is_dtensor
 from .cross_entropy import cross_entropy
 from .linear import linear_cross_entropy
 from .stats import compute_dtype
-from .validate import agree
+from .validate import agree, check_options
 
 __all__ = ["build_loss_fn", "PlainCrossEntropy", "VocabParallelCrossEntropy", "LinearCrossEntropy", "LOSSES"]
 
 
+# Options the ops take but do not pass to check_options: where the shards live and whether to check
+# them, not values of the loss.
+_NOT_VALUE_OPTIONS = frozenset({"group", "vocab_size", "sequence_parallel", "check"})
+
+
+def _keyword_options(op) -> frozenset:
+    """The keyword-only parameters of ``op``: read from its signature, so that an option added to
+    the op is accepted here without a second list to keep in step."""
+    params = inspect.signature(op).parameters.values()
+    return frozenset(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
 class _LossModule(nn.Module):
-    """Holds keyword options; ``group`` may be a ProcessGroup, a 1-D DeviceMesh or None."""
+    """Holds keyword options, checked here (see the module docstring); ``group`` may be a
+    ProcessGroup, a 1-D DeviceMesh or None."""
+
+    OPTIONS: frozenset = frozenset()  # the keywords this loss takes
 
     def __init__(self, **options):
         super().__init__()
+        name = type(self).__name__
+        for key in options:
+            if key not in self.OPTIONS:
+                close = difflib.get_close_matches(key, self.OPTIONS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(f"{name} got an unexpected keyword {key!r}{hint}; it takes "
+                                f"{', '.join(sorted(self.OPTIONS))}")
+        problem = check_options(**{k: v for k, v in options.items() if k not in _NOT_VALUE_OPTIONS})
+        if problem is not None:
+            raise problem.exc(f"{name}: {problem.message}")
         self.options = options
 
     def extra_repr(self) -> str:
@@ -44,6 +76,8 @@ class _LossModule(nn.Module):
 class VocabParallelCrossEntropy(_LossModule):
     """``forward(logits, target)`` = :func:`vparallel_ce.cross_entropy` with the stored options."""
 
+    OPTIONS = _keyword_options(cross_entropy)
+
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return cross_entropy(logits, target, **self.options)
 
@@ -51,6 +85,8 @@ class VocabParallelCrossEntropy(_LossModule):
 class LinearCrossEntropy(_LossModule):
     """``forward(hidden, weight, target, bias=None)`` = :func:`vparallel_ce.linear_cross_entropy`.
     The lm_head keeps owning its weight; pass ``lm_head.weight`` (a shard or a DTensor)."""
+
+    OPTIONS = _keyword_options(linear_cross_entropy)
 
     def forward(self, hidden, weight, target, bias=None) -> torch.Tensor:
         return linear_cross_entropy(hidden, weight, target, bias, **self.options)
@@ -60,6 +96,8 @@ class PlainCrossEntropy(_LossModule):
     """The unfused reference: full fp32 logits, then ``F.cross_entropy``. Sharded input (a DTensor,
     or a local shard with ``group=``) is all-gathered first. Options: ``group``, ``ignore_index``,
     ``reduction``, ``label_smoothing``, ``z_loss``, ``softcap``."""
+
+    OPTIONS = frozenset({"group", "ignore_index", "reduction", "label_smoothing", "z_loss", "softcap"})
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         opts = dict(self.options)
@@ -124,7 +162,9 @@ _ALIASES = {
 
 def build_loss_fn(name: str, **options) -> nn.Module:
     """The loss registered under ``name`` (case-insensitive), holding ``options`` (the keyword
-    options of the op it wraps). Unknown names raise a ``ValueError`` listing the known ones."""
+    options of the op it wraps). Unknown names raise a ``ValueError`` listing the known ones; an
+    unknown option a ``TypeError`` and a bad option value a ``ValueError``, both naming it, here
+    rather than at the first call."""
     key = _ALIASES.get(name.lower(), name.lower())
     if key not in LOSSES:
         known = sorted(set(LOSSES) | set(_ALIASES))
