@@ -172,6 +172,10 @@ def _run_case(rank, coords, groups, sizes, kind, sched_name, via, steps=2):
     schedule = cls(stage, N_MB, loss_fn=loss_fn, scale_grads=False)
     ref_loss, ref_grads = _reference()
     errs = {}
+    # single-stage instances: read from their public action table
+    in_flight, holder = microbatches_in_flight(schedule), last_stage_rank(schedule)
+    errs[f"{kind}/{sched_name}/{via}/in_flight={in_flight}"] = float(in_flight != (N_MB if sched_name == "gpipe" else 1))
+    errs[f"{kind}/{sched_name}/{via}/holder={holder}"] = float(holder != pp - 1)
     for step in range(steps):
         mod.zero_grad(set_to_none=True)
         gvt = count_valid_tokens(labels, group=dp_g)
@@ -316,6 +320,38 @@ def test_linear_policy_and_schedule_facts():
     with pytest.raises(ValueError, match="scale_grads"):
         fn.step(Fake(), global_valid_tokens=1)
     assert isinstance(step_accepts_loss_kwargs(Fake()), bool)
+
+
+def test_schedule_facts_follow_subclasses_of_the_public_classes():
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleZBVZeroBubble
+
+    class MyGPipe(ScheduleGPipe):
+        pass
+
+    class My1F1B(Schedule1F1B):
+        pass
+
+    class MyZBV(ScheduleZBVZeroBubble):
+        pass
+
+    assert microbatches_in_flight(MyGPipe, 6) == 6
+    assert microbatches_in_flight(My1F1B, 6) == 1
+    assert last_stage_rank(MyZBV, 4) == 0 and last_stage_rank(MyGPipe, 4) == 3
+    with pytest.raises(ValueError, match="pass pp_size for MyGPipe"):
+        last_stage_rank(MyGPipe)
+    with pytest.raises(ValueError, match="pass n_microbatches"):
+        microbatches_in_flight(MyGPipe)
+
+
+def test_a_schedule_without_a_table_or_a_microbatch_count_asks_for_the_count():
+    class Bare:  # an instance of a schedule type this torch knows nothing about
+        pipeline_order = None
+
+    with pytest.raises(ValueError, match=r"microbatch count of Bare.*_n_microbatches.*pass n_microbatches="):
+        microbatches_in_flight(Bare())
+    assert microbatches_in_flight(Bare(), 5) == 5  # the safe bound
+    fn = PipelineLoss.linear(torch.zeros(V, H, dtype=DT), microbatches_in_flight=3)
+    assert fn.configure(Bare()).policy.microbatches_in_flight == 3  # kept as given
 
 
 def test_linear_matches_full_logits_single_process():
