@@ -239,7 +239,7 @@ EXPECTED_MESSAGES = {
     "only rank 1 has a bad shape": "",
     "vocab_size does not add up": "add up to",
     "ranks pass different tokens": "disagree on target checksum",
-    "ranks pass different chunks": "disagree on chunks option",
+    "ranks pass different chunks": "disagree on chunks: rank 0: 1, rank 1: 2",
     "ranks pass different reductions": "disagree on reduction",
     "ranks pass different policies": "disagree on chunk policy",
     "policy is not a ChunkPolicy": "",
@@ -256,9 +256,9 @@ def test_bad_input_raises_a_clear_error_on_every_rank(world):
             assert expected in errors[name], (name, errors[name])
     # the rank with the bad input names the problem; the others point at it
     assert "target shape" in results[1]["only rank 1 has a bad shape"]
-    assert "rank(s) [1]" in results[0]["only rank 1 has a bad shape"]
+    assert "rank(s) 1: target shape" in results[0]["only rank 1 has a bad shape"]
     assert "policy must be a vparallel_ce.ChunkPolicy" in results[0]["policy is not a ChunkPolicy"]
-    assert "rank(s) [0]" in results[1]["policy is not a ChunkPolicy"]
+    assert "rank(s) 0: policy must be" in results[1]["policy is not a ChunkPolicy"]
 
 
 def dtensor_bad_rank(rank, world):

@@ -155,23 +155,25 @@ _INTERPRETER_CHECKS = textwrap.dedent(
 )
 
 
-def _run_interpreted(script: str) -> subprocess.CompletedProcess:
+def _run_interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
     """``script`` in a fresh Python with ``TRITON_INTERPRET=1`` (set before triton is imported) and
     the kernel dispatch left at its defaults."""
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     env.pop("VPARALLEL_CE_KERNELS", None)
     env.pop("VPARALLEL_CE_FUSED", None)
-    return subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=240)
+    if proc.returncode and "only 0-dimensional arrays can be converted to Python scalars" in proc.stderr:
+        # the interpreter of older Tritons (3.6) turns loop bounds into 1-element numpy arrays,
+        # which numpy >= 2.4 refuses to convert to int; fixed in later Tritons (the compiled
+        # kernels are checked by the CUDA tests there)
+        pytest.skip("this Triton's interpreter is incompatible with the installed numpy")
+    return proc
 
 
 def test_kernels_match_torch_ops_in_interpreter():
     proc = _run_interpreted(_INTERPRETER_CHECKS)
-    if proc.returncode and "only 0-dimensional arrays can be converted to Python scalars" in proc.stderr:
-        # the interpreter of older Tritons (3.6) turns loop bounds into 1-element numpy arrays,
-        # which numpy >= 2.4 refuses to convert to int; fixed in later Tritons
-        pytest.skip("this Triton's interpreter is incompatible with the installed numpy")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "KERNEL_CHECKS_OK" in proc.stdout
 
@@ -280,13 +282,21 @@ def test_one_pass_statistics_and_gradient_on_cuda(opts):
         assert torch.equal(tc.scale_rows(x, g), stats.scale_rows(x, g))
 
 
-_SPAN_CHECKS = textwrap.dedent(
+_TARGET_FACTS_CHECKS = textwrap.dedent(
     """
-    import os
-    assert os.environ["TRITON_INTERPRET"] == "1"
+    import os, sys
     import torch
-    from vparallel_ce.kernels.targets import target_span
+    from vparallel_ce.kernels.targets import target_facts
+    device = sys.argv[1]
     g = torch.Generator().manual_seed(0)
+
+    def want(u, ignore):
+        valid = u[u != ignore]
+        lo = min(0, int(valid.min())) if valid.numel() else 0
+        hi = max(0, int(valid.max())) if valid.numel() else 0
+        checksum = sum((i + 1) * int(v) for i, v in enumerate(u.tolist())) % (1 << 64)
+        return [lo, hi, checksum - (1 << 64) if checksum >= 1 << 63 else checksum]
+
     for n, ignore in [(1, -100), (7, -100), (2048, -100), (2049, 5), (5000, -1), (4097, 0)]:
         t = torch.randint(0, 50, (n,), generator=g)
         t[torch.rand(n, generator=g) < 0.3] = ignore
@@ -294,28 +304,29 @@ _SPAN_CHECKS = textwrap.dedent(
             u = t.clone()
             if bad is not None:
                 u[n // 2] = bad
-            valid = u[u != ignore]
-            want = [min(0, int(valid.min())) if valid.numel() else 0, max(0, int(valid.max())) if valid.numel() else 0]
-            got = target_span(u, ignore).tolist()
-            assert got == want, (n, ignore, bad, got, want)
-            assert target_span(u.to(torch.int32) if bad != 1 << 40 else u, ignore).tolist() == want, (n, bad, "int32")
-    print("SPAN_CHECKS_OK")
+            expected = want(u, ignore)
+            got = target_facts(u.to(device), ignore).tolist()
+            assert got == expected, (n, ignore, bad, got, expected)
+            if bad != 1 << 40:
+                assert target_facts(u.to(device, torch.int32), ignore).tolist() == expected, (n, bad, "int32")
+        swapped = t.clone()
+        swapped[[0, n - 1]] = swapped[[n - 1, 0]]
+        if n > 1 and int(t[0]) != int(t[-1]):  # a permutation changes the checksum
+            assert target_facts(swapped.to(device), ignore)[2] != target_facts(t.to(device), ignore)[2], n
+    print("TARGET_FACTS_OK")
     """
 )
 
 
-def _triton_version() -> tuple[int, int]:
-    import triton
+def test_target_facts_kernel_in_interpreter():
+    # the front door's one launch: [min(0, lowest valid id), max(0, highest), sum_i (i+1) t_i mod 2^64]
+    # for ignored ids anywhere, one and several 2048-wide tiles, int64 and int32 targets
+    proc = _run_interpreted(_TARGET_FACTS_CHECKS, "cpu")
+    assert proc.returncode == 0 and "TARGET_FACTS_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
 
-    return tuple(int(x) for x in triton.__version__.split(".")[:2])
 
-
-@pytest.mark.xfail(HAS_TRITON and _triton_version() < (3, 7), strict=False,
-                   reason="seen on the H200 image: Triton 3.6's interpreter stops this kernel with 'only "
-                          "0-dimensional arrays can be converted to Python scalars' (3.9: exact); the compiled "
-                          "kernel is checked there by the CUDA bad-target tests of tests/test_linear.py")
-def test_target_span_kernel_in_interpreter():
-    # the front door's one-launch range check: [min(0, lowest valid id), max(0, highest)] for
-    # ignored ids anywhere, one and several 2048-wide tiles, int64 and int32 targets
-    proc = _run_interpreted(_SPAN_CHECKS)
-    assert proc.returncode == 0 and "SPAN_CHECKS_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_target_facts_kernel_on_cuda():
+    proc = subprocess.run([sys.executable, "-c", _TARGET_FACTS_CHECKS, "cuda"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert proc.returncode == 0 and "TARGET_FACTS_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

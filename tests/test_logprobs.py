@@ -803,7 +803,7 @@ def test_bad_input_raises_a_clear_error_on_every_rank(world):
     # the rank with the bad input names the problem; the others point at it
     for name in ("only rank 1 has temperature 0", "linear sp: only rank 1 has temperature 0"):
         assert "temperature" in results[1][name], results[1][name]
-        assert "rank(s) [1]" in results[0][name], results[0][name]
+        assert "rank(s) 1: " in results[0][name], results[0][name]
     assert "target shape" in results[1]["only rank 1 has a bad shape"]
 
 

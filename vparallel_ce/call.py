@@ -21,8 +21,6 @@ user arguments again.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +28,8 @@ import torch
 from . import comm, kernels, policy as _policy
 from .layout import VocabLayout
 from .policy import Plan
-from .stats import REDUCTIONS, LossSpec
-from .validate import agree, check_linear, check_logits, check_options, DeferredTargetCheck, SCHEDULES
+from .stats import LossSpec
+from .validate import Facts, agree, bits_checksum, check_linear, check_logits, check_options, DeferredTargetCheck
 
 __all__ = ["Call", "LogitsInputs", "LinearInputs", "logits_call", "linear_call", "autocast_dtype", "autocast_off",
            "is_dtensor", "local"]
@@ -94,30 +92,32 @@ class LinearInputs:
     shape: torch.Size
 
 
-def logits_call(logits, target, *, group, vocab_size, reduction, chunks, check, policy=None, entropy=False,
+def logits_call(logits, target, *, op, group, vocab_size, reduction, chunks, check, policy=None, entropy=False,
                 **loss_options) -> tuple[Call, LogitsInputs]:
-    """The front door of ops over vocab-sharded logits ``[..., V_local]``. ``loss_options``: the
-    math options of :class:`~vparallel_ce.stats.LossSpec` the op takes; ``entropy``: the
-    statistics carry the entropy too."""
+    """The front door of ops over vocab-sharded logits ``[..., V_local]``. ``op``: the op's name
+    (:data:`~vparallel_ce.validate.OPS`); ``loss_options``: the math options of
+    :class:`~vparallel_ce.stats.LossSpec` the op takes; ``entropy``: the statistics carry the
+    entropy too."""
     logits, target, group, vocab_size = _unwrap_logits(logits, target, group, vocab_size)
     group = comm.resolve_group(group)
     problem = check_options(reduction=reduction, chunks=chunks, policy=policy, **loss_options) or check_logits(
         logits, target)
 
-    def facts():  # made only for a group's exchange
-        return {"token count": lambda: target.numel(), "chunks option": lambda: _chunk_code(chunks),
-                "target checksum": lambda: target.sum(), "loss options": lambda: _options_code(loss_options),
-                "reduction": lambda: _reduction_code(reduction), "chunk policy": lambda: _policy_code(policy)}
+    def facts(target_checksum):  # made only for a group's exchange
+        return Facts.of(op=op, inputs=(logits,), target=target, target_checksum=target_checksum, reduction=reduction,
+                        chunks=chunks, policy=policy, **loss_options)
 
-    lay, pending = agree(problem, group, local_size=lambda: logits.shape[-1], facts=facts, device=_device(logits),
-                         vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options))
-    n = target.numel()
+    agreed = agree(problem, group, local_size=lambda: logits.shape[-1], facts=facts, device=_device(logits),
+                   vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options),
+                   policy=policy)
+    lay, n = agreed.layout, target.numel()
     plan = (policy or _policy.DEFAULT_POLICY).plan(n, lay.vocab_size, lay.world, reduction=reduction, chunks=chunks)
-    call = Call(lay, _spec(lay, loss_options, entropy), reduction, plan, bool(check), counts=(n,), pending=pending)
+    call = Call(lay, _spec(lay, loss_options, entropy), reduction, plan, bool(check), counts=(n,),
+                pending=agreed.pending)
     return call, LogitsInputs(_rows(logits, n, lay.local_size), _flat(target), target.shape)
 
 
-def linear_call(hidden, weight, target, bias, *, group, sequence_parallel, vocab_size, reduction, chunks, schedule,
+def linear_call(hidden, weight, target, bias, *, op, group, sequence_parallel, vocab_size, reduction, chunks, schedule,
                 recompute, policy, check, entropy=False, **loss_options) -> tuple[Call, LinearInputs]:
     """The front door of ops over hidden states and this rank's lm_head shard ``[V_local, H]``
     (options as in :func:`logits_call`)."""
@@ -133,29 +133,26 @@ def linear_call(hidden, weight, target, bias, *, group, sequence_parallel, vocab
     fused = problem is None and kernels.fused_applies(weight.device, _matmul_dtype(weight, amp), entropy=entropy,
                                                       temperature=float(loss_options.get("temperature", 1.0)))
 
-    def facts():  # made only for a group's exchange
-        facts = {
-            # the plan depends on it, so the ranks must agree on it (a rank's env could differ)
-            "fused kernels": lambda: int(fused),
-            "chunks option": lambda: _chunk_code(chunks),
-            "schedule option": lambda: SCHEDULES.index(schedule),
-            "recompute option": lambda: {None: -1, False: 0, True: 1}[recompute],
-            "hidden size": lambda: weight.shape[-1],
-            "sequence_parallel": lambda: int(sp),
-            "loss options": lambda: _options_code(loss_options),
-            "reduction": lambda: _reduction_code(reduction),
-            "chunk policy": lambda: _policy_code(policy),
-        }
-        if not sp:  # with sequence parallelism every rank holds other tokens
-            facts["token count"] = lambda: target.numel()
-            facts["target checksum"] = lambda: target.sum()
-        return facts
+    def facts(target_checksum):  # made only for a group's exchange
+        # replicated hidden states are checked to be so (with sequence parallelism each rank holds
+        # its own tokens): a sum over [N, H] that rides on the exchange
+        replicated = bits_checksum(hidden) if check and not sp else 0
+        return Facts.of(op=op, sequence_parallel=sp, inputs=(hidden, weight, bias), target=target,
+                        target_checksum=target_checksum, hidden_checksum=replicated, reduction=reduction,
+                        chunks=chunks, schedule=schedule, recompute=recompute, fused=fused, policy=policy,
+                        **loss_options)
 
-    lay, pending = agree(problem, group, local_size=lambda: weight.shape[0], facts=facts, device=_device(weight),
-                         vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options))
-    n = target.numel()
+    agreed = agree(problem, group, local_size=lambda: weight.shape[0], facts=facts, device=_device(weight),
+                   vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options),
+                   policy=policy)
+    lay, pending, n = agreed.layout, agreed.pending, target.numel()
     sp = sp and lay.sharded
-    counts = tuple(row[0] for row in comm.all_gather_ints([n], lay.group, weight.device)) if sp else (n,)
+    if not sp:
+        counts = (n,)
+    elif agreed.counts is not None:  # the exchange carried every rank's token count
+        counts = agreed.counts
+    else:  # check=False with a known vocab size: no exchange so far
+        counts = tuple(row[0] for row in comm.all_gather_ints([n], lay.group, weight.device))
     plan = (policy or _policy.DEFAULT_POLICY).plan(
         sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1], reduction=reduction, chunks=chunks,
         schedule=schedule, recompute=recompute, fused=fused)
@@ -209,26 +206,6 @@ def _spec(lay: VocabLayout, options: dict, entropy: bool) -> LossSpec:
 
 def _ignore_index(options: dict) -> int:
     return int(options.get("ignore_index", -100))
-
-
-def _options_code(options: dict) -> int:
-    """The math options as one integer the ranks compare (a CRC of their sorted repr)."""
-    return zlib.crc32(repr(sorted((k, None if v is None else float(v)) for k, v in options.items())).encode())
-
-
-def _reduction_code(reduction) -> int:
-    return REDUCTIONS.index(reduction)
-
-
-def _policy_code(policy) -> int:
-    """The chunk policy as one integer (a CRC of its fields): ranks whose policies differ (say, a
-    budget from each rank's free memory) would plan different chunk counts and deadlock in the
-    per-chunk collectives."""
-    return zlib.crc32(repr(dataclasses.astuple(policy or _policy.DEFAULT_POLICY)).encode())
-
-
-def _chunk_code(chunks) -> int:
-    return -1 if chunks == "auto" else int(chunks)
 
 
 def _device(t) -> torch.device:

@@ -4,8 +4,10 @@
 
 * per token chunk of a loss: one all-reduce MAX and one all-reduce SUM of ``O(chunk tokens)`` floats
   (:func:`all_reduce_max_`, :func:`all_reduce_sum_`);
-* once per call: an all-gather of a few integers (shard sizes and agreement checks,
-  :func:`all_gather_ints`), skipped with ``check=False`` when the global vocab size is known;
+* once per call: an all-gather of a fixed number of integers (shard sizes, target range and the
+  agreement's facts, :func:`all_gather_ints`), skipped with ``check=False`` when the global vocab
+  size is known; only where that finds a bad input or a disagreement, an all-gather of each rank's
+  message or value to name them (:func:`all_gather_objects`, then the call raises);
 * with sequence parallelism: an all-gather of each hidden/target chunk (:func:`all_gather_rows`) and
   a reduce-scatter of its hidden gradient (:func:`reduce_scatter_rows`); the token counts of the
   ranks once per call;
@@ -23,7 +25,7 @@ import torch.distributed as dist
 
 __all__ = [
     "resolve_group", "world_size", "rank", "is_sharded", "backend", "all_reduce_max_", "all_reduce_sum_",
-    "broadcast_", "all_gather_ints", "all_gather_rows", "all_gather_last_dim", "reduce_scatter_rows",
+    "broadcast_", "all_gather_ints", "all_gather_objects", "all_gather_rows", "all_gather_last_dim", "reduce_scatter_rows",
 ]
 
 
@@ -99,6 +101,17 @@ def all_gather_ints(values: list, group, device) -> list[list[int]]:
     out = [torch.empty_like(t) for _ in range(world_size(group))]
     dist.all_gather(out, t, group=group)
     return [o.tolist() for o in out]
+
+
+def all_gather_objects(obj, group) -> list:
+    """Every rank's picklable ``obj``, in rank order: the second exchange of a call whose first one
+    found a disagreement or a bad input (never on a call that goes ahead), to name each rank's
+    value in the error."""
+    if not is_sharded(group):
+        return [obj]
+    out = [None] * world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
+from .second_order import first_order_only
 from .call import Call, autocast_off, logits_call
 from .policy import ChunkPolicy
 from .stats import (
@@ -65,7 +66,7 @@ def cross_entropy(
         gathered, soft-capped fp32 logits; the gradient of each rank's shard is that shard's slice
         of the gradient of that one loss, in the logits' dtype.
     """
-    call, inp = logits_call(logits, target, group=group, vocab_size=vocab_size, reduction=reduction, chunks=chunks,
+    call, inp = logits_call(logits, target, op="cross_entropy", group=group, vocab_size=vocab_size, reduction=reduction, chunks=chunks,
                             check=check, policy=policy, ignore_index=ignore_index, label_smoothing=label_smoothing,
                             z_loss=z_loss, softcap=softcap)
     out = _CrossEntropy.apply(inp.x, inp.target, call)
@@ -119,6 +120,7 @@ class _CrossEntropy(torch.autograd.Function):
             return loss
 
     @staticmethod
+    @first_order_only("cross_entropy")
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
         with autocast_off(x.device.type):

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm, kernels, policy as _policy
+from .second_order import first_order_only
 from .call import Call, autocast_off, linear_call
 from .layout import aligned_parts, vocab_blocks
 from .stats import (
@@ -101,7 +102,7 @@ def linear_cross_entropy(
         its input's dtype: ``weight.grad``/``bias.grad`` are this shard's; ``hidden.grad`` is the full
         gradient (summed over the group), or this rank's token rows of it with ``sequence_parallel``.
     """
-    call, inp = linear_call(hidden, weight, target, bias, group=group, sequence_parallel=sequence_parallel,
+    call, inp = linear_call(hidden, weight, target, bias, op="linear_cross_entropy", group=group, sequence_parallel=sequence_parallel,
                             vocab_size=vocab_size, reduction=reduction, chunks=chunks, schedule=schedule,
                             recompute=recompute, policy=policy, check=check, ignore_index=ignore_index,
                             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
@@ -442,6 +443,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return loss
 
     @staticmethod
+    @first_order_only("linear_cross_entropy")
     def backward(ctx, grad_out):
         call = ctx.call
         if ctx.grads_now:  # made in forward for grad_out == 1: scale by the scalar

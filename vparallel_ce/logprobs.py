@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
+from .second_order import first_order_only
 from .call import Call, autocast_off, linear_call, logits_call
 from .cross_entropy import logits_gradient, logits_statistics
 from .linear import Grads, Schedule, matmul_inputs, take_kept
@@ -60,7 +61,7 @@ def token_logprobs(
         ``logprobs`` of ``target``'s shape, fp32 (fp64 for fp64 logits); with ``with_entropy`` the
         pair ``(logprobs, entropy)``. Equal to ``-cross_entropy(logits / T, target, reduction="none")``.
     """
-    call, inp = logits_call(logits, target, group=group, vocab_size=vocab_size, reduction="none", chunks=chunks,
+    call, inp = logits_call(logits, target, op="token_logprobs", group=group, vocab_size=vocab_size, reduction="none", chunks=chunks,
                             check=check, policy=policy, entropy=with_entropy, ignore_index=ignore_index,
                             temperature=temperature)
     logp, entropy = _TokenLogprobs.apply(inp.x, inp.target, call)
@@ -101,7 +102,7 @@ def linear_token_logprobs(
         shape. Gradients: ``weight.grad``/``bias.grad`` this shard's, ``hidden.grad`` the full one
         (this rank's rows with ``sequence_parallel``), each in its input's dtype.
     """
-    call, inp = linear_call(hidden, weight, target, bias, group=group, sequence_parallel=sequence_parallel,
+    call, inp = linear_call(hidden, weight, target, bias, op="linear_token_logprobs", group=group, sequence_parallel=sequence_parallel,
                             vocab_size=vocab_size, reduction="none", chunks=chunks, schedule="auto", recompute=None,
                             policy=policy, check=check, entropy=with_entropy, ignore_index=ignore_index,
                             temperature=temperature)
@@ -123,7 +124,7 @@ def _coefs(g_logp, g_entropy, valid, entropy, log_s: torch.Tensor, call: Call):
     v = valid.to(log_s.dtype)
     g_lp = torch.zeros_like(log_s) if g_logp is None else g_logp.to(log_s.dtype) * v
     g_h = None if g_entropy is None or not call.spec.entropy else g_entropy.to(log_s.dtype) * v
-    return logprob_grad_coefs(g_lp, g_h, entropy, log_s)
+    return logprob_grad_coefs(g_lp, g_h, entropy, log_s, valid)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -141,6 +142,7 @@ class _TokenLogprobs(torch.autograd.Function):
             return logp, entropy
 
     @staticmethod
+    @first_order_only("token_logprobs")
     def backward(ctx, g_logp, g_entropy):
         x, m, log_s, entropy = ctx.saved_tensors
         call = ctx.call
@@ -182,6 +184,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             return logp, ent
 
     @staticmethod
+    @first_order_only("linear_token_logprobs")
     def backward(ctx, g_logp, g_entropy):
         h, w, b, t, shift, entropy = ctx.saved_tensors
         call = ctx.call

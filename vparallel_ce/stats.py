@@ -156,8 +156,8 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
         neg_inf = torch.full((c,), float("-inf"), dtype=z.dtype, device=z.device)
         zeros = torch.zeros((c,), dtype=z.dtype, device=z.device)
         return ChunkStats(neg_inf, zeros, zeros, zeros, zeros if spec.entropy else None)
-    m = z.amax(dim=-1)
-    u = z - m.unsqueeze(-1)
+    m = z.amax(dim=-1)  # nan where the row holds a nan: it then reaches the sum-exp below
+    u = z - _finite_shift(m).unsqueeze(-1)
     e = torch.exp(u)
     sumexp = e.sum(dim=-1)
     picked = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
@@ -168,15 +168,29 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
     return ChunkStats(m, sumexp, tgt, total, zexp)
 
 
+def _finite_shift(m: torch.Tensor) -> torch.Tensor:
+    """The shift of ``exp(z - m)``: ``m``, or 0 where ``m = -inf`` (every logit of the row masked:
+    their terms are then ``exp(-inf) = 0``, not ``exp(-inf + inf) = nan``)."""
+    return m.masked_fill(m == float("-inf"), 0.0)
+
+
+# Non-finite values. A row whose logits hold a nan or a +inf has a nan sum-exp on the rank that
+# holds it (exp(nan) / exp(inf - inf)); the rescalings below keep it nan -- they zero only a sum
+# that IS zero (a fully masked block or shard) -- so the joined sum, and with it the token's loss and
+# every rank's gradient row, is nan whatever the MAX all-reduce made of the nan, as F.cross_entropy
+# on the gathered logits gives. A -inf logit is a masked entry: exp(-inf) = 0.
+
+
 def _rescale(sumexp: torch.Tensor, m_from: torch.Tensor, m_to: torch.Tensor) -> torch.Tensor:
-    # exp(-inf - m) is 0 as wanted; guard only the -inf - (-inf) = nan case (both empty).
-    return torch.where(sumexp > 0, sumexp * torch.exp(m_from - m_to), torch.zeros_like(sumexp))
+    # exp(-inf - m) is 0 as wanted; a zero sum stays 0 (an empty or masked part: -inf - (-inf) = nan)
+    return torch.where(sumexp == 0, sumexp, sumexp * torch.exp(m_from - m_to))
 
 
 def _rescale_zexp(zexp, sumexp, m_from, m_to):
     """``E`` relative to ``m_from`` -> relative to ``m_to``: ``e^{m_from - m_to} (E + (m_from - m_to) S)``."""
-    shifted = zexp + torch.where(sumexp > 0, m_from - m_to, torch.zeros_like(m_from)) * sumexp
-    return torch.where(sumexp > 0, shifted * torch.exp(m_from - m_to), torch.zeros_like(zexp))
+    empty = sumexp == 0
+    shifted = zexp + torch.where(empty, torch.zeros_like(m_from), m_from - m_to) * sumexp
+    return torch.where(empty, torch.zeros_like(zexp), shifted * torch.exp(m_from - m_to))
 
 
 def merge(a: ChunkStats, b: ChunkStats) -> ChunkStats:
@@ -223,22 +237,32 @@ def token_loss(st: TokenStats, valid: torch.Tensor, spec: LossSpec) -> torch.Ten
     return torch.where(valid, loss, torch.zeros_like(loss))
 
 
-def loss_grad_coefs(m: torch.Tensor, log_s: torch.Tensor, gscale: torch.Tensor, spec: LossSpec) -> GradCoefs:
+def _on_valid(valid: torch.Tensor | None, coef: torch.Tensor) -> torch.Tensor:
+    """``coef`` on valid tokens, exactly 0 on ignored ones: an ignored token's statistics may be
+    nan (its logits hold a nan, or are all masked) and ``0 * nan`` would put nan in its gradient."""
+    return coef if valid is None else torch.where(valid, coef, torch.zeros_like(coef))
+
+
+def loss_grad_coefs(m: torch.Tensor, log_s: torch.Tensor, gscale: torch.Tensor, spec: LossSpec,
+                    valid: torch.Tensor | None = None) -> GradCoefs:
     """Coefficients of the loss' gradient for the per-token upstream scale ``gscale``, given the
-    global max ``m`` and ``log S`` of the tokens."""
+    global max ``m`` and ``log S`` of the tokens (``valid``: the non-ignored tokens, whose
+    coefficients are exactly 0 otherwise)."""
     a = gscale * (1.0 + 2.0 * spec.z_loss * (m + log_s)) if spec.z_loss > 0 else gscale
     eps = spec.label_smoothing
-    return GradCoefs(a * torch.exp(-log_s), None, gscale * (1.0 - eps),
+    return GradCoefs(_on_valid(valid, a * torch.exp(-log_s)), None, gscale * (1.0 - eps),
                      gscale * (eps / spec.vocab_size) if eps > 0 else None)
 
 
-def logprob_grad_coefs(g_logp: torch.Tensor, g_entropy: torch.Tensor | None, entropy, log_s) -> GradCoefs:
-    """Coefficients of the gradient of ``sum_i g_logp_i logp_i + g_entropy_i H_i``."""
+def logprob_grad_coefs(g_logp: torch.Tensor, g_entropy: torch.Tensor | None, entropy, log_s,
+                       valid: torch.Tensor | None = None) -> GradCoefs:
+    """Coefficients of the gradient of ``sum_i g_logp_i logp_i + g_entropy_i H_i`` (exactly 0 on
+    tokens outside ``valid``)."""
     inv_s = torch.exp(-log_s)
     if g_entropy is None:
-        return GradCoefs(-g_logp * inv_s, None, -g_logp, None)
+        return GradCoefs(_on_valid(valid, -g_logp * inv_s), None, -g_logp, None)
     a, b = -g_logp - g_entropy * entropy, -g_entropy
-    return GradCoefs((a - b * log_s) * inv_s, b * inv_s, -g_logp, None)
+    return GradCoefs(_on_valid(valid, (a - b * log_s) * inv_s), _on_valid(valid, b * inv_s), -g_logp, None)
 
 
 def grad_logits(
@@ -254,11 +278,11 @@ def grad_logits(
     global max ``m``) and coefficients (all 0 on ignored tokens). Local, no communication."""
     z = _transform(x, spec)
     u = z - shift.unsqueeze(-1)
-    factor = coefs.a.unsqueeze(-1)
-    if coefs.b is not None:
-        factor = factor + coefs.b.unsqueeze(-1) * u
-    e = torch.exp(u)
-    d = torch.where(e > 0, e * factor, torch.zeros_like(e))  # -inf logits: p = 0, not 0 * -inf
+    a = coefs.a.unsqueeze(-1)
+    factor = a if coefs.b is None else a + coefs.b.unsqueeze(-1) * u
+    # a -inf logit has p = 0 and so gradient 0 * a, not 0 * -inf; a nan one (u nan) also 0 * a,
+    # which is nan on a valid row (its a is nan, from the nan sum) and 0 on an ignored one (a = 0)
+    d = torch.where(u > float("-inf"), torch.exp(u) * factor, a * 0.0)
     if coefs.d is not None:
         d = d - coefs.d.unsqueeze(-1)
     if z.shape[-1] > 0:
@@ -313,7 +337,7 @@ def unit_loss_coefs(st: TokenStats, valid: torch.Tensor, n_valid: torch.Tensor |
     with ``r`` the :func:`token_weights`. Every coefficient is linear in the upstream gradient, so
     the forward makes these and the backward only scales them (:func:`scale_coefs`): one small
     kernel per coefficient between the backward's start and its gradient pass."""
-    return loss_grad_coefs(st.max, st.log_s, token_weights(valid, n_valid, reduction, st.max.dtype), spec)
+    return loss_grad_coefs(st.max, st.log_s, token_weights(valid, n_valid, reduction, st.max.dtype), spec, valid)
 
 
 def loss_stats_grad_(x: torch.Tensor, target: torch.Tensor, n_valid: torch.Tensor | None, reduction: str,
@@ -332,7 +356,7 @@ def loss_stats_grad_(x: torch.Tensor, target: torch.Tensor, n_valid: torch.Tenso
     local_t, owned, valid = local_targets(target, 0, x.shape[-1], spec.ignore_index)
     st = local_stats(x, local_t, owned, spec)
     coefs = loss_grad_coefs(st.max, torch.log(st.sumexp), token_weights(valid, n_valid, reduction, st.max.dtype),
-                            spec)
+                            spec, valid)
     x.copy_(grad_logits(x, local_t, owned, st.max, coefs, spec))
     return st, token_loss(whole_vocab(st), valid, spec)
 

@@ -12,19 +12,22 @@ once its forward's kernels are queued, before it returns anything.
 
 from __future__ import annotations
 
+import dataclasses
+import struct
+import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from . import comm, kernels
 from .layout import VocabLayout, shard_sizes
-from .policy import ChunkPolicy
+from .policy import DEFAULT_POLICY, ChunkPolicy
 from .stats import REDUCTIONS
 
 __all__ = [
     "Problem", "InvalidInputError", "DeferredTargetCheck", "check_options", "check_logits", "check_linear", "agree",
-    "SCHEDULES",
+    "Agreement", "Facts", "bits_checksum", "OPS", "SCHEDULES",
 ]
 
 SCHEDULES = ("auto", "token", "vocab")
@@ -145,8 +148,8 @@ def check_options(**options) -> Problem | None:
 def _check_target(target, token_shape, what: str, device) -> Problem | None:
     if not isinstance(target, torch.Tensor):
         return Problem(TypeError, f"target must be a tensor, got {type(target).__name__}")
-    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-        return Problem(TypeError, f"target must hold integer class ids, got dtype {target.dtype}")
+    if target.dtype not in (torch.int64, torch.int32):
+        return Problem(TypeError, f"target must hold integer class ids (torch.int64 or torch.int32), got dtype {target.dtype}")
     if tuple(target.shape) != tuple(token_shape):
         return Problem(ValueError, f"target shape {tuple(target.shape)} does not match {what} {tuple(token_shape)}")
     if target.device != device:
@@ -205,38 +208,175 @@ def check_linear(hidden, weight, target, bias, *, autocast_dtype: torch.dtype | 
     return _check_target(target, hidden.shape[:-1], "hidden's token dims (hidden.shape[:-1])", hidden.device)
 
 
+# ---------------------------------------------------------------------------------------------
+# The cross-rank agreement: one fixed-size exchange per call.
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool)
+OPS = ("cross_entropy", "linear_cross_entropy", "token_logprobs", "linear_token_logprobs")
+_INPUT_NAMES = ("grad mode", "input", "weight", "bias")
+
+
+def _dtype_code(dtype) -> int:
+    if dtype is None:
+        return -1
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def _show_dtype(code: int) -> str:
+    return "None" if code < 0 else str(_DTYPES[code]) if code < len(_DTYPES) else "another dtype"
+
+
+def _float_code(x) -> int:
+    """A float as the int64 of its bits: compared exactly and shown back as the float."""
+    return int.from_bytes(struct.pack("<d", float(x)), "little", signed=True)
+
+
+def _show_float(code: int) -> str:
+    return repr(struct.unpack("<d", code.to_bytes(8, "little", signed=True))[0])
+
+
+def _show_choice(choices):
+    return lambda code: repr(choices[code]) if 0 <= code < len(choices) else "?"
+
+
+def _show_chunks(code: int) -> str:
+    return "'auto'" if code == -1 else str(code)
+
+
+def _show_softcap(code: int) -> str:
+    return "None" if code == _NO_SOFTCAP else _show_float(code)
+
+
+def _show_grads(code: int) -> str:
+    if not code & 1:
+        return "grad mode off"
+    names = [n for i, n in enumerate(_INPUT_NAMES) if i and code >> i & 1]
+    return "requires grad: " + (", ".join(names) if names else "none")
+
+
+_NO_SOFTCAP = _float_code(float("nan")) ^ 1  # no float has these bits
+_NO_FACT = 0  # a fact that does not apply to the op, or that a rank with bad input cannot make
+
+
+def _shown(show, *, per_rank: bool = False):
+    """A field's metadata: how its code reads in a message; ``per_rank``: with sequence
+    parallelism each rank holds other tokens, so the value is not compared."""
+    return field(metadata=dict(show=show, per_rank=per_rank))
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What every rank of a group must agree on before the op's first collective, as integer codes:
+    one int64 row per rank, the same length whatever the op, its options and inputs, so that ranks
+    that disagree on any of them still gather rows that match up and raise the same error. Fields
+    are checked in their order here (a rank holding other tokens is reported as that, not as a
+    checksum that differs). Build with :meth:`of`."""
+
+    op: int = _shown(_show_choice(OPS))
+    sequence_parallel: int = _shown(lambda c: str(bool(c)))
+    input_dtype: int = _shown(_show_dtype)
+    weight_dtype: int = _shown(_show_dtype)
+    bias_dtype: int = _shown(_show_dtype)
+    target_dtype: int = _shown(_show_dtype)
+    hidden_size: int = _shown(str)
+    # the backward's collectives (dh over the group, rows with sequence parallelism) run where an
+    # input needs a gradient: ranks that differ would leave one waiting for the others
+    grads: int = _shown(_show_grads)
+    reduction: int = _shown(_show_choice(REDUCTIONS))
+    chunks: int = _shown(_show_chunks)
+    schedule: int = _shown(_show_choice(SCHEDULES))
+    recompute: int = _shown(lambda c: {-1: "None", 0: "False", 1: "True"}.get(c, "?"))
+    fused_kernels: int = _shown(lambda c: str(bool(c)))
+    ignore_index: int = _shown(str)
+    label_smoothing: int = _shown(_show_float)
+    z_loss: int = _shown(_show_float)
+    softcap: int = _shown(_show_softcap)
+    temperature: int = _shown(_show_float)
+    chunk_policy: int = _shown(lambda c: f"a ChunkPolicy with CRC {c}")
+    token_count: int = _shown(str, per_rank=True)
+    # position-sensitive: a permutation of the ids, or ids shifted by one, is a different checksum
+    target_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
+    # hidden states must be replicated over the group (a sum of their bit patterns, exact in any order)
+    hidden_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
+
+    @classmethod
+    def of(cls, *, op: str, sequence_parallel: bool = False, inputs: tuple, target: torch.Tensor,
+           target_checksum, hidden_checksum=_NO_FACT, reduction: str = "none", chunks="auto", schedule: str = "auto",
+           recompute: bool | None = None, fused: bool = False, policy: ChunkPolicy | None = None,
+           ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0, softcap=None,
+           temperature: float = 1.0) -> "Facts":
+        """``inputs``: the op's float inputs, ``(logits,)`` or ``(hidden, weight, bias)``."""
+        first, weight, bias = (*inputs, None, None)[:3]
+        grads = int(torch.is_grad_enabled())
+        for i, t in enumerate((first, weight, bias)):
+            grads |= int(t is not None and t.requires_grad) << (i + 1)
+        return cls(
+            OPS.index(op), int(bool(sequence_parallel)), _dtype_code(first.dtype),
+            _dtype_code(None if weight is None else weight.dtype), _dtype_code(None if bias is None else bias.dtype),
+            _dtype_code(target.dtype), -1 if weight is None else weight.shape[-1], grads, REDUCTIONS.index(reduction),
+            -1 if chunks == "auto" else int(chunks), SCHEDULES.index(schedule), {None: -1, False: 0, True: 1}[recompute],
+            int(bool(fused)), int(ignore_index), _float_code(label_smoothing), _float_code(z_loss),
+            _NO_SOFTCAP if softcap is None else _float_code(softcap), _float_code(temperature),
+            _policy_code(policy), target.numel(), target_checksum, hidden_checksum)
+
+    def row(self) -> list:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+
+_FACT_FIELDS = dataclasses.fields(Facts)
+_HEAD = 5  # problem flag, vocab rows, vocab_size claim, lowest and highest valid target id
+
+
+def _policy_code(policy) -> int:
+    """The chunk policy as one integer (a CRC of its fields): ranks whose policies differ (say, a
+    budget from each rank's free memory) would plan different chunk counts and deadlock in the
+    per-chunk collectives."""
+    return zlib.crc32(repr(dataclasses.astuple(policy or DEFAULT_POLICY)).encode())
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The outcome of a call's exchange: the layout of this rank's vocab shard, the token count of
+    every rank (known from the exchange; None without one), and at world 1 the target check still
+    to settle."""
+
+    layout: VocabLayout
+    counts: tuple[int, ...] | None = None
+    pending: DeferredTargetCheck | None = None
+
+
 def agree(
     problem: Problem | None,
     group,
     *,
     local_size: Callable[[], int],
-    facts: Callable[[], dict[str, Callable[[], object]]],
+    facts: Callable[[torch.Tensor], Facts],
     device,
     vocab_size: int | None,
     check: bool,
     target: torch.Tensor | None = None,
     ignore_index: int = -100,
-) -> tuple[VocabLayout, DeferredTargetCheck | None]:
+    policy: ChunkPolicy | None = None,
+) -> Agreement:
     """The one metadata exchange of a call: raise ``problem`` on every rank, check that the ranks
-    agree on ``facts`` and that the shard sizes form the torch.chunk layout. Returns the layout and,
-    at world 1 with ``check`` and a ``target``, the target check still to settle (None otherwise).
+    agree on the call's :class:`Facts` and that the shard sizes form the torch.chunk layout.
 
     Args:
         problem: this rank's local input problem, or None.
         group: resolved ProcessGroup or None.
         local_size: this rank's vocab rows (called only when ``problem`` is None).
-        facts: makes the named integers that must be equal on every rank (token count, chunk
-            option, ...): ranks that disagree on the chunk count would otherwise deadlock in the
-            per-chunk collectives. Made only for an exchange (not at world 1, where they would be
-            host time before the first GEMM); each value is called only when ``problem`` is None
-            (0 is sent otherwise), so a call with bad input still sends the same keys and the
-            exchange always matches up.
+        facts: makes this rank's :class:`Facts` from its target checksum -- only for an exchange (at world 1 they would be
+            host time before the first GEMM), and only when ``problem`` is None (a rank with bad
+            input sends zeros: the row has the same length either way).
         vocab_size: the global vocab size if the caller knows it (a DTensor does).
-        check: exchange (one all-gather of a few int64s) and check. Needed anyway when ``vocab_size``
-            is unknown; skipped otherwise with ``check=False``, and then a problem raises locally.
-        target, ignore_index: with ``check``, every valid id of every rank's ``target`` must lie in
-            ``[0, V)``: checked here on a group (no host sync beyond the exchange's); at world 1
-            the returned :class:`DeferredTargetCheck`, which the op settles.
+        check: exchange (one all-gather of a fixed number of int64s) and check. Needed anyway when
+            ``vocab_size`` is unknown; skipped otherwise with ``check=False``, and then a problem
+            raises locally.
+        target, ignore_index: the target (its checksum is compared); with ``check``, every valid id of every rank's ``target`` must lie in
+            ``[0, V)``: checked here on a group; at world 1 by the returned
+            :attr:`Agreement.pending`, which the op settles.
+        policy: this rank's chunk policy, shown field by field if the ranks' policies differ.
     """
     world = comm.world_size(group)
     if problem is not None and (world == 1 or not (check or vocab_size is None)):
@@ -247,47 +387,72 @@ def agree(
         if v != local_size():
             raise ValueError(f"vocab_size={vocab_size} but the unsharded input has {local_size()} classes")
         pending = DeferredTargetCheck(target, ignore_index, v) if span else None
-        return VocabLayout.of_rank(None, 1, 0, v), pending
+        return Agreement(VocabLayout.of_rank(None, 1, 0, v), None, pending)
     me = comm.rank(group)
+    counts = None
     if check or vocab_size is None:
-        facts = facts()
-        names = sorted(facts)
         ok = problem is None
         mine = [int(not ok), local_size() if ok else 0, -1 if vocab_size is None else vocab_size]
-        mine += [facts[n]() if ok else 0 for n in names]
-        # always two slots, so ranks that differ in ``check`` still gather rows of one length
-        mine += list(_target_span(target, ignore_index).unbind()) if ok and span else [0, 0]
+        if ok:
+            lo, hi, checksum = _target_facts(target, ignore_index).unbind()
+            mine += ([lo, hi] if span else [0, 0]) + facts(checksum).row()
+        else:
+            mine += [0, 0] + [_NO_FACT] * len(_FACT_FIELDS)
         rows = comm.all_gather_ints(mine, group, device)
-        if problem is not None:
-            problem.raise_()
         bad = [r for r, row in enumerate(rows) if row[0]]
-        if bad:
-            raise InvalidInputError(f"invalid input on rank(s) {bad} of the vocab-parallel group (see the error there)")
-        vocab_size = _check_rows([row[1 : 3 + len(names)] for row in rows], names, vocab_size, world)
+        if bad:  # every rank sees the same rows, so every rank takes this second exchange
+            messages = comm.all_gather_objects(None if ok else problem.message, group)
+            if problem is not None:
+                problem.raise_()
+            raise InvalidInputError("invalid input on rank(s) " + "; ".join(f"{r}: {messages[r]}" for r in bad))
+        _check_facts([row[_HEAD:] for row in rows], group, policy)
+        vocab_size = _check_sizes([row[1] for row in rows], [row[2] for row in rows], vocab_size, world)
         if span:
-            _check_targets([row[3 + len(names):] for row in rows], vocab_size)
+            _check_targets([row[3:5] for row in rows], vocab_size)
+        counts = tuple(row[_HEAD + _COUNT] for row in rows)
     lay = VocabLayout.of_rank(group, world, me, vocab_size)
     if lay.local_size != local_size():
         raise ValueError(
             f"rank {me} holds {local_size()} vocab rows, but the torch.chunk layout of V={vocab_size} "
             f"over {world} ranks gives it {lay.local_size}"
         )
-    return lay, None
+    return Agreement(lay, counts, None)
 
 
-def _check_rows(rows: list[list[int]], names: list[str], vocab_size: int | None, world: int) -> int:
-    """Raise the same error on every rank when the ranks disagree (all ranks hold all rows)."""
-    claims = {row[1] for row in rows}
-    if len(claims) > 1:
-        raise ValueError(f"ranks of the group disagree on vocab_size: {sorted(claims)}")
-    for i, name in enumerate(names):
-        values = [row[2 + i] for row in rows]
-        if len(set(values)) > 1:
-            raise ValueError(
-                f"ranks of the vocab-parallel group disagree on {name}: {values} "
-                "(every rank of the group must pass the same tokens and options)"
-            )
-    sizes = [row[0] for row in rows]
+_COUNT = [f.name for f in _FACT_FIELDS].index("token_count")
+_SP = [f.name for f in _FACT_FIELDS].index("sequence_parallel")
+
+
+def _check_facts(rows: list[list[int]], group, policy) -> None:
+    """Raise the same error on every rank at the first fact the ranks disagree on (every rank
+    holds every row), naming it and each rank's value."""
+    sequence_parallel = rows[0][_SP]
+    for i, f in enumerate(_FACT_FIELDS):
+        if f.metadata["per_rank"] and sequence_parallel:
+            continue
+        values = [row[i] for row in rows]
+        if len(set(values)) == 1:
+            continue
+        if f.name == "chunk_policy":  # a CRC names nothing: every rank sends its policy itself
+            shown = [repr(p) for p in comm.all_gather_objects(policy or DEFAULT_POLICY, group)]
+        else:
+            shown = [f.metadata["show"](v) for v in values]
+        per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
+        hint = {
+            "target_checksum": "every rank must pass the same target ids in the same order",
+            "hidden_checksum": "hidden must be replicated over the group (the same values on every rank); a "
+                               "token-sharded hidden needs sequence_parallel=True",
+            "grads": "run the op with the same autograd state on every rank: its backward joins the ranks",
+        }.get(f.name, "every rank of the group must pass the same tokens and options")
+        raise InvalidInputError(f"ranks of the vocab-parallel group disagree on {f.name.replace('_', ' ')}: "
+                                f"{per_rank} ({hint})")
+
+
+def _check_sizes(sizes: list[int], claims: list[int], vocab_size: int | None, world: int) -> int:
+    """The shard sizes against the claimed vocab size and the torch.chunk layout; the same error on
+    every rank when they do not fit."""
+    if len(set(claims)) > 1:
+        raise ValueError(f"ranks of the group disagree on vocab_size: {[None if c < 0 else c for c in claims]}")
     total = sum(sizes)
     if vocab_size is not None and total != vocab_size:
         raise ValueError(
@@ -303,18 +468,36 @@ def _check_rows(rows: list[list[int]], names: list[str], vocab_size: int | None,
     return total
 
 
-def _target_span(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """``[lo, hi]`` (on the target's device) with every valid id of ``target`` inside: both inside
-    ``[0, V)`` exactly when every valid id is, and an out-of-range id, if any, is one of them."""
+def _target_facts(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``[lo, hi, checksum]`` (int64, on the target's device): every valid id of ``target`` lies in
+    ``[lo, hi]``, both inside ``[0, V)`` exactly when every valid id is, and an out-of-range id, if
+    any, is one of them; ``checksum = sum_i (i + 1) t_i`` (mod 2^64: exact in any order), which a
+    permutation of the ids or a shift by one position changes."""
     t = target.reshape(-1)
     if t.numel() == 0:
-        return torch.zeros(2, dtype=torch.int64, device=t.device)
-    span = kernels.target_span(t, ignore_index)  # one launch on a GPU
-    if span is not None:
-        return span
+        return torch.zeros(3, dtype=torch.int64, device=t.device)
+    found = kernels.target_facts(t, ignore_index)  # one launch on a GPU
+    if found is not None:
+        return found
+    t = t.to(torch.int64)
+    checksum = (t * torch.arange(1, t.numel() + 1, device=t.device)).sum()
     # ignored ids count as 0, which is in range
     lo, hi = torch.aminmax(t.masked_fill(t == ignore_index, 0))
-    return torch.stack([lo, hi])
+    return torch.stack([lo, hi, checksum])
+
+
+def _target_span(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``[lo, hi]`` of :func:`_target_facts`."""
+    return _target_facts(target, ignore_index)[:2]
+
+
+def bits_checksum(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x``'s bit patterns as integers (0-dim int64 on its device): exact in any order,
+    so replicated tensors give the same value on every rank (a float sum need not), nan included."""
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}.get(x.element_size())
+    if as_int is None or x.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=x.device)
+    return x.view(as_int).sum(dtype=torch.int64)
 
 
 def _check_targets(spans: list[list[int]], vocab_size: int) -> None:

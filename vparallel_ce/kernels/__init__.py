@@ -19,7 +19,7 @@ import torch
 
 from .. import stats
 
-__all__ = ["ops_for", "fused_applies", "target_span", "TORCH_OPS"]
+__all__ = ["ops_for", "fused_applies", "target_facts", "TORCH_OPS"]
 
 TORCH_OPS = SimpleNamespace(name="torch", local_stats=stats.local_stats, grad_logits=stats.grad_logits,
                             loss_stats_grad_=stats.loss_stats_grad_, scale_rows=stats.scale_rows)
@@ -100,12 +100,12 @@ def fused_applies(device, dtype, *, entropy: bool = False, temperature: float = 
             and fl._capability(device) >= (8, 0))  # _capability: cached per device
 
 
-def target_span(target, ignore_index: int):
-    """The Triton version of the front door's target span (:mod:`.targets`: one launch instead
-    of four) for integer CUDA targets, or None where it does not apply (CPU, no Triton,
+def target_facts(target, ignore_index: int):
+    """The Triton version of the front door's target span and checksum (:mod:`.targets`: one
+    launch instead of six) for integer CUDA targets, or None where it does not apply (CPU, no Triton,
     ``VPARALLEL_CE_KERNELS=torch``): the caller then runs the torch version."""
     if os.environ.get("VPARALLEL_CE_KERNELS", "auto") == "torch" or target.dtype not in (torch.int64, torch.int32):
         return None
     if not (target.is_cuda or interpreting()) or _modules() is None:
         return None
-    return _MODULES[2].target_span(target, ignore_index)
+    return _MODULES[2].target_facts(target, ignore_index)

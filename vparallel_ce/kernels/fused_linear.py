@@ -300,10 +300,14 @@ def _grad_kernel(
         if HAS_T:
             z = z * inv_t
         u = z - shift[:, None]
+        # -inf and nan logits give 0 * a, as stats.grad_logits: nan on a valid row with nan
+        # statistics, exactly 0 on an ignored one (a = 0), never 0 * -inf
+        live = u > float("-inf")
         if HAS_B:
             d = tl.exp2(u * _LOG2E) * (a[:, None] + tl.load(CB + rows, mask=rmask, other=0.0)[:, None] * u)
         else:
             d = tl.exp2(u * _LOG2E) * a[:, None]
+        d = tl.where(live, d, a[:, None] * 0.0)
         if HAS_D:
             d = d - tl.load(CD + rows, mask=rmask, other=0.0)[:, None]
         d = tl.where(cols[None, :] == t[:, None], d - hit[:, None], d)

@@ -1,8 +1,11 @@
-"""The front door's target range check in one launch (:func:`vparallel_ce.validate.agree`).
+"""The front door's target range check and target checksum in one launch
+(:func:`vparallel_ce.validate.agree`).
 
-``[lo, hi]`` with ``lo = min(0, smallest valid id)`` and ``hi = max(0, largest valid id)`` (ignored
+``[lo, hi, checksum]`` with ``lo = min(0, smallest valid id)`` and ``hi = max(0, largest valid id)`` (ignored
 ids count as 0): every valid id lies in ``[0, V)`` exactly when ``lo >= 0`` and ``hi < V``, and an
-out-of-range id, if any, is ``lo`` (when negative) or ``hi``. The torch version of the check is 4
+out-of-range id, if any, is ``lo`` (when negative) or ``hi``. ``checksum = sum_i (i + 1) t_i`` (mod
+2^64, so exact in any order) is what the ranks of a group compare: it sees a permutation of the ids
+or ids shifted by a position, which a plain sum does not. The torch version of the check is 4
 small kernels (compare, select, min/max, stack); at world 1 they run before the op's first GEMM on
 every call, where a host that spends ~40 us per launched op leaves the GPU idle for each of them.
 One program walks the whole target vector (8 KiB per 1024 tokens), so the GPU time is a few
@@ -15,31 +18,34 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["target_span"]
+__all__ = ["target_facts"]
 
 BLOCK = 2048
 
 
 @triton.jit
-def _span_kernel(T, N, ignore_index, OUT, BLOCK: tl.constexpr):
+def _facts_kernel(T, N, ignore_index, OUT, BLOCK: tl.constexpr):
     lo = tl.zeros([BLOCK], dtype=tl.int64)  # 0 is in range: it stands for ignored ids and the tail
     hi = tl.zeros([BLOCK], dtype=tl.int64)
+    acc = tl.zeros([BLOCK], dtype=tl.int64)
     for start in range(0, N, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         t = tl.load(T + idx, mask=idx < N, other=0).to(tl.int64)
+        acc += t * (idx.to(tl.int64) + 1)  # the tail loads 0
         t = tl.where(t == ignore_index, 0, t)
         lo = tl.minimum(lo, t)
         hi = tl.maximum(hi, t)
-    # one vector store of both (Triton 3.6's interpreter would not store a reduced scalar alone)
-    pair = tl.arange(0, 2)
-    tl.store(OUT + pair, tl.where(pair == 0, tl.min(lo, axis=0), tl.max(hi, axis=0)))
+    # one vector store of all three (Triton 3.6's interpreter would not store a reduced scalar alone)
+    slot = tl.arange(0, 4)
+    vals = tl.where(slot == 0, tl.min(lo, axis=0), tl.where(slot == 1, tl.max(hi, axis=0), tl.sum(acc, axis=0)))
+    tl.store(OUT + slot, vals, mask=slot < 3)
 
 
-def target_span(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """``[lo, hi]`` (int64, on ``target``'s device) of ``target``'s valid ids and 0, in one launch."""
+def target_facts(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``[lo, hi, checksum]`` (int64, on ``target``'s device) of ``target``, in one launch."""
     t = target.reshape(-1)
     if not t.is_contiguous():
         t = t.contiguous()
-    out = torch.empty(2, dtype=torch.int64, device=t.device)
-    _span_kernel[(1,)](t, t.numel(), ignore_index, out, BLOCK=BLOCK, num_warps=8)
+    out = torch.empty(3, dtype=torch.int64, device=t.device)
+    _facts_kernel[(1,)](t, t.numel(), ignore_index, out, BLOCK=BLOCK, num_warps=8)
     return out

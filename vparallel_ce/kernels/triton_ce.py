@@ -75,8 +75,11 @@ def _row_stats(base, W, cap, inv_cap, inv_t, HAS_CAP: tl.constexpr, HAS_T: tl.co
             tot += tl.where(mask, x, 0.0)
         z = tl.where(mask, x, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=0))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(z - m_new)
+        # shift by 0 while every logit so far is -inf (masked): exp(-inf) = 0, not exp(-inf + inf) = nan;
+        # a nan or +inf logit makes s nan (exp(nan), exp(inf - inf)) whatever the max made of it
+        m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp(m - m_ref)
+        p = tl.exp(z - m_ref)
         if ENTROPY:
             # shift the old sum to the new max first (guard: nothing seen yet, -inf * 0)
             e = tl.where(s > 0, alpha * (e + (m - m_new) * s), 0.0)
@@ -104,10 +107,12 @@ def _row_grad(xb, db, W, t, shift, a, b, sub, hit, cap, inv_cap, inv_t, t_over_c
         mask = idx < W
         z = _z(tl.load(xb + idx, mask=mask, other=0.0).to(tl.float32), cap, inv_cap, inv_t, HAS_CAP, HAS_T)
         u = z - shift
+        # a -inf logit (p = 0) and a nan one (u nan) give 0 * a: nan on a valid row whose
+        # statistics are nan, 0 on an ignored row (a = 0), 0 otherwise -- as stats.grad_logits
         if HAS_B:
-            d = tl.where(u > float("-inf"), tl.exp(u) * (a + b * u), 0.0)
+            d = tl.where(u > float("-inf"), tl.exp(u) * (a + b * u), a * 0.0)
         else:
-            d = tl.exp(u) * a
+            d = tl.where(u > float("-inf"), tl.exp(u) * a, a * 0.0)
         if HAS_D:
             d = d - sub
         d = tl.where(idx == t, d - hit, d)
@@ -201,7 +206,8 @@ def _loss_grad_kernel(
     a = r
     if ZLOSS:
         a = r * (1.0 + 2.0 * zl * (m + log_s))
-    _row_grad(base, base, W, t, m, a / s, 0.0, r * eps_v, tl.where(own, r * keep_t, 0.0), cap, inv_cap, inv_t,
+    a = tl.where(valid, a / s, 0.0)  # exactly 0 on an ignored row, whose s may be nan or 0
+    _row_grad(base, base, W, t, m, a, 0.0, r * eps_v, tl.where(own, r * keep_t, 0.0), cap, inv_cap, inv_t,
               t_over_cap, HAS_CAP, HAS_T, False, SMOOTH, BLOCK, True)
 
 

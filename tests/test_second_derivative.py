@@ -1,0 +1,54 @@
+"""Second derivatives raise a clear error for every op; first derivatives are unchanged by
+``create_graph=True``. (A hand-written backward differentiated as a constant would give a silently
+wrong Hessian-vector product.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vparallel_ce
+from vparallel_ce.second_order import SecondDerivativeError
+
+N, V, H = 6, 9, 4
+
+
+def _ops():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(N, H, generator=g, dtype=torch.float64)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    t = torch.randint(0, V, (N,), generator=g)
+    x = torch.randn(N, V, generator=g, dtype=torch.float64)
+    return {
+        "cross_entropy": ((x,), lambda x: vparallel_ce.cross_entropy(x, t)),
+        "token_logprobs": ((x,), lambda x: vparallel_ce.token_logprobs(x, t).sum()),
+        "token_logprobs with entropy": ((x,), lambda x: sum(
+            o.sum() for o in vparallel_ce.token_logprobs(x, t, with_entropy=True))),
+        "linear_cross_entropy kept logits": ((h, w), lambda h, w: vparallel_ce.linear_cross_entropy(h, w, t, chunks=1)),
+        "linear_cross_entropy grads in forward": (
+            (h, w), lambda h, w: vparallel_ce.linear_cross_entropy(h, w, t, chunks=2)),
+        "linear_cross_entropy vocab blocks": (
+            (h, w), lambda h, w: vparallel_ce.linear_cross_entropy(h, w, t, schedule="vocab", chunks=2)),
+        "linear_token_logprobs": ((h, w), lambda h, w: vparallel_ce.linear_token_logprobs(h, w, t).sum()),
+    }
+
+
+@pytest.mark.parametrize("name", list(_ops()))
+def test_a_second_derivative_raises_and_names_the_op(name):
+    inputs, fn = _ops()[name]
+    leaves = [i.clone().requires_grad_() for i in inputs]
+    with pytest.raises(SecondDerivativeError, match="has no second derivative"):
+        grads = torch.autograd.grad(fn(*leaves), leaves, create_graph=True)
+        hvp = sum((g * torch.randn_like(g)).sum() for g in grads)
+        torch.autograd.grad(hvp, leaves)
+
+
+@pytest.mark.parametrize("name", [n for n in _ops() if "grads in forward" not in n])
+def test_create_graph_leaves_the_first_derivative_unchanged(name):
+    inputs, fn = _ops()[name]
+    leaves = [i.clone().requires_grad_() for i in inputs]
+    want = torch.autograd.grad(fn(*leaves), leaves)
+    leaves = [i.clone().requires_grad_() for i in inputs]
+    got = torch.autograd.grad(fn(*leaves), leaves, create_graph=True)
+    for g, r in zip(got, want):
+        assert torch.equal(g.detach(), r)
