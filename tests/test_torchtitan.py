@@ -70,32 +70,47 @@ def test_options_are_parsed_and_checked():
     from vparallel_ce.integrations import torchtitan as tt
 
     loss = tt.FusedLoss(tt.VParallel(chunks="3", schedule="vocab", recompute="true", budget_mib=8, memory_mib=96))
-    assert loss.kwargs["chunks"] == 3 and loss.kwargs["schedule"] == "vocab" and loss.kwargs["recompute"] is True
+    assert loss.options["chunks"] == 3 and loss.options["schedule"] == "vocab" and loss.options["recompute"] is True
+    assert loss.options["reduction"] == "sum"
     assert loss.policy.budget_bytes == 8 << 20 and loss.policy.memory_bytes == 96 << 20
-    assert tt.LogitsLoss(tt.VParallel(chunks=5)).kwargs["chunks"] == 5  # an int from a TOML file
+    assert tt.LogitsLoss(tt.VParallel(chunks=5)).options["chunks"] == 5  # an int from a TOML file
     for bad in ({"chunks": "0"}, {"chunks": "many"}, {"schedule": "rows"}, {"recompute": "maybe"},
-                {"budget_mib": -1.0}, {"memory_mib": -1.0}):
+                {"budget_mib": -1.0}, {"memory_mib": -1.0}, {"label_smoothing": 2.0}):
         with pytest.raises(ValueError):
             tt.FusedLoss(tt.VParallel(**bad))
 
 
 @needs_titan
+def test_the_torchtitan_loss_builder_checks_options_when_torchtitan_builds_the_loss():
+    from types import SimpleNamespace
+
+    from vparallel_ce.integrations import torchtitan as tt
+
+    job = SimpleNamespace(compile=SimpleNamespace(enable=False, components=[]), vparallel=tt.VParallel(z_loss=-1.0))
+    with pytest.raises(ValueError, match="z_loss must be >= 0"):
+        tt.build_torchtitan_loss_fn(job, parallel_dims=None)
+    job.vparallel = tt.VParallel(chunks="4")
+    assert isinstance(tt.build_torchtitan_loss_fn(job, parallel_dims=None, fused=True), tt.FusedLoss)
+
+
+@needs_titan
 def test_specs_are_registered_once_and_share_the_flavors():
+    import torch
     from torchtitan.protocols.train_spec import get_train_spec
 
     from vparallel_ce.integrations import torchtitan as tt
 
     base = get_train_spec("llama3")
-    again = tt.register_specs("llama3")
+    again = tt.register()  # importing the module registered them; a second call changes nothing
+    assert sorted(again) == sorted(tt.SPEC_NAMES)
     for name, spec in again.items():
         assert get_train_spec(name) is spec
         assert spec.model_args is base.model_args
     fused = again["llama3_vparallel_fused"]
-    import torch
-
-    with torch.device("meta"):
-        model = fused.model_cls(base.model_args["debugmodel"])
-    assert isinstance(model.output, tt.FusedLMHead)
+    assert fused.parallelize_fn is tt.parallelize_llama_fused
+    assert again["llama3_vparallel"].parallelize_fn is base.parallelize_fn
+    model = _meta_model(fused)
+    assert type(model.output) is tt.FusedLMHead and issubclass(type(model), base.model_cls)
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in _meta_model(base).named_parameters()]
 
 
@@ -107,16 +122,91 @@ def _meta_model(spec):
 
 
 @needs_titan
-def test_head_output_passes_the_tensor_parallel_output_hook_unchanged():
-    import torch
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel
+def test_a_fused_spec_from_another_base_asks_for_its_parallelize_fn():
+    import dataclasses
+
+    from torchtitan.protocols.train_spec import get_train_spec
 
     from vparallel_ce.integrations import torchtitan as tt
 
-    out = tt.LMHeadInputs(torch.zeros(2, 3, 4), torch.zeros(5, 4))
-    for layouts, local in (((Shard(-1),), False), ((Replicate(),), True)):
-        assert ColwiseParallel._prepare_output_fn(layouts, local, None, out, None) is out
+    def parallelize_other(model, parallel_dims, job_config):
+        return model
+
+    other = dataclasses.replace(get_train_spec("llama3"), parallelize_fn=parallelize_other)
+    with pytest.raises(ValueError, match="parallelize_other needs parallelize_fn="):
+        tt.vparallel_train_spec(other, fused=True)
+    assert tt.vparallel_train_spec(other, fused=True, parallelize_fn=parallelize_other).parallelize_fn is parallelize_other
+
+
+@needs_titan
+def test_fused_head_parallel_style_applies_only_to_a_fused_head():
+    from torch import nn
+
+    from vparallel_ce.integrations import torchtitan as tt
+
+    with pytest.raises(TypeError, match="ColwiseParallel"):
+        tt.FusedLMHeadParallel()._apply(nn.Linear(4, 8, bias=False), None)
+    with pytest.raises(TypeError, match="without bias"):
+        tt.FusedLMHead.from_linear(nn.Linear(4, 8))
+
+
+def fused_head_parallel_rank(rank, world):
+    """trunk -> FusedLMHead under FusedLMHeadParallel -> FusedLoss, against the float64 reference:
+    the weight is this rank's Shard(0) vocab rows, the head returns the hidden states (Replicate)
+    and that shard, and every gradient is the full model's."""
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from tests.reference import reference_loss
+    from vparallel_ce.integrations import torchtitan as tt
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randn(2, 6, 5, generator=g, dtype=torch.float64)
+    target = torch.randint(0, 23, (2, 6), generator=g)
+    target[0, 0] = -100
+    errs = {}
+    for sequence_sharded in (False, True):
+        torch.manual_seed(0)
+        trunk = nn.Linear(5, 5, dtype=torch.float64)
+        head = nn.Linear(5, 23, bias=False, dtype=torch.float64)
+        ref_h = torch.tanh(trunk(tokens))
+        ref_h.retain_grad()
+        ref = reference_loss(head(ref_h), target, reduction="sum")
+        ref.backward()
+        ref_trunk, ref_head, ref_dh = trunk.weight.grad.clone(), head.weight.grad.clone(), ref_h.grad
+        trunk.zero_grad(), head.zero_grad()
+        model = nn.ModuleDict({"trunk": trunk, "output": tt.FusedLMHead.from_linear(head)})
+        style = tt.FusedLMHeadParallel(input_layouts=Shard(1)) if sequence_sharded else tt.FusedLMHeadParallel()
+        parallelize_module(model, mesh, {"output": style})
+        weight = model["output"].weight
+        assert weight.placements == (Shard(0),) and weight.to_local().shape[0] == torch.chunk(head.weight, world)[rank].shape[0]
+        h = torch.tanh(model["trunk"](tokens))
+        if sequence_sharded:  # this rank's rows of the sequence, as a sequence-parallel norm hands them on
+            h = torch.chunk(h.detach(), world, dim=1)[rank].clone().requires_grad_()
+        out = model["output"](h)
+        assert isinstance(out, tuple) and out[0].placements == (Replicate(),) and out[0].shape == ref_h.shape
+        loss = tt.FusedLoss(tt.VParallel(chunks="2"))(out, target)
+        loss.backward()
+        if sequence_sharded:  # the hidden gradient of this rank's rows
+            input_err = (h.grad - torch.chunk(ref_dh, world, dim=1)[rank]).abs().max().item()
+        else:  # the trunk's: hidden got the full gradient (summed over the vocab shards)
+            input_err = (model["trunk"].weight.grad - ref_trunk).abs().max().item()
+        key = "sequence-sharded input" if sequence_sharded else "replicated input"
+        errs[key] = max(abs(loss.item() - ref.item()), (weight.grad.full_tensor() - ref_head).abs().max().item(),
+                        input_err)
+    return errs
+
+
+@needs_titan
+def test_fused_head_parallel_shards_the_weight_and_hands_the_loss_the_hidden_states():
+    from tests.dist import run_ranks
+
+    for errs in run_ranks(fused_head_parallel_rank, 2):
+        assert max(errs.values()) < 1e-12, errs
 
 
 @needs_titan

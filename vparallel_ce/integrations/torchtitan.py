@@ -1,6 +1,9 @@
 r"""torchtitan train specs that use vparallel_ce's losses (torchtitan 0.2.2).
 
-Importing this module registers two train specs built from torchtitan's ``llama3`` spec::
+Importing this module registers two train specs built from torchtitan's ``llama3`` spec, by
+calling :func:`register` (idempotent). That is how torchtitan's ``--experimental.custom_import``,
+which only imports the module it names, installs them; ``import vparallel_ce`` never imports this
+module, so it registers nothing::
 
     pip install "vparallel_ce[torchtitan]"
     torchrun --nproc_per_node 8 -m torchtitan.train --job.config_file llama3_8b.toml \
@@ -12,19 +15,19 @@ Importing this module registers two train specs built from torchtitan's ``llama3
   its logits. Under TP with loss parallel (torchtitan's default) the logits arrive as the
   ``Shard(-1)`` DTensor of the ColwiseParallel lm_head and stay sharded on the vocab.
 * ``llama3_vparallel_fused``: the lm_head is fused into :func:`vparallel_ce.linear_cross_entropy`,
-  so the logits never exist. The model's ``output`` module becomes a :class:`FusedLMHead`: same
-  parameter (``output.weight``, so checkpoints are interchangeable with ``llama3``), whose forward
-  returns :class:`LMHeadInputs` -- the hidden states and a view of the weight taken INSIDE the
-  forward -- instead of the logits; the model returns them as the plain tuple ``(hidden, weight)``. Inside the forward the weight is what the loss needs: the
-  ``Shard(0)`` DTensor under TP, the unsharded parameter under FSDP (outside the forward FSDP
-  holds only its own shard; FSDP's ``reshard_after_forward`` is turned off for the lm_head's
-  group so the view stays valid until the backward).
+  so the logits never exist. The model's ``output`` module is a :class:`FusedLMHead`: it holds the
+  lm_head weight as its parameter ``weight`` (``output.weight``, as in ``llama3``, so checkpoints
+  are interchangeable) and its forward returns the loss's inputs, ``(hidden, weight)``, instead of
+  the logits. Under TP its parallel style is :class:`FusedLMHeadParallel` -- the weight sharded
+  ``Shard(0)`` over the vocab, the hidden states made ``Replicate``, the output left as it is --
+  applied by :func:`parallelize_llama_fused`, torchtitan's ``parallelize_llama`` with that one
+  change (torchtitan 0.2.2 writes each model's TP plan into its parallelize function).
 
-Both specs keep everything else of ``llama3`` (parallelize, pipelining, data, optimizer, checkpoint
-conversion, flavors -- the same ``model_args`` mapping, so a flavor added to it shows up in all
-three). Under pipeline parallelism the schedule's loss is a :class:`vparallel_ce.pipeline.PipelineLoss`
-normalised by the step's valid-token count inside the schedule (see :class:`TokenNormalisedSchedule`
-for what that fixes in torchtitan 0.2.2).
+Both specs keep everything else of ``llama3`` (pipelining, data, optimizer, checkpoint conversion,
+flavors -- the same ``model_args`` mapping, so a flavor added to it shows up in all three). Under
+pipeline parallelism the schedule's loss is a :class:`vparallel_ce.pipeline.PipelineLoss`
+normalised by the step's valid-token count inside the schedule (see
+:class:`TokenNormalisedSchedule` for what that fixes in torchtitan 0.2.2).
 
 Options, torchtitan style (with ``--job.custom_config_module vparallel_ce.integrations.torchtitan``,
 which adds a ``[vparallel]`` section to the job config; without it the defaults apply)::
@@ -34,25 +37,36 @@ which adds a ``[vparallel]`` section to the job config; without it the defaults 
     --vparallel.no-check
 
 or in the TOML file: ``[job] custom_config_module = "vparallel_ce.integrations.torchtitan"`` and a
-``[vparallel]`` table. Other models: :func:`register_specs` builds the two specs from any train spec
-whose model ends in an ``output`` ``nn.Linear`` lm_head.
+``[vparallel]`` table. Other models: :func:`vparallel_train_spec` builds the two specs from another
+train spec (the fused one with a parallelize function that gives the lm_head
+:class:`FusedLMHeadParallel`).
 """
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+)
 
 import vparallel_ce
 from vparallel_ce.pipeline import PipelineLoss, count_valid_tokens, microbatches_in_flight
 from vparallel_ce.policy import ChunkPolicy
 
 try:
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan.distributed.context_parallel import apply_cp_to_attention_module
+    from torchtitan.distributed.tensor_parallel import maybe_enable_async_tp
+    from torchtitan.models.llama3.infra import parallelize as _llama3_parallelize
     from torchtitan.protocols import train_spec as _train_spec
     from torchtitan.tools.logging import logger
 except ImportError as e:  # pragma: no cover - exercised only without torchtitan
@@ -62,21 +76,22 @@ except ImportError as e:  # pragma: no cover - exercised only without torchtitan
 
 __all__ = [
     "VERIFIED_VERSIONS",
-    "SPEC_SUFFIXES",
+    "SPEC_NAMES",
     "VParallel",
     "JobConfig",
-    "FusedLMHead",
-    "LMHeadInputs",
     "LogitsLoss",
     "FusedLoss",
+    "build_torchtitan_loss_fn",
+    "FusedLMHead",
+    "FusedLMHeadParallel",
+    "parallelize_llama_fused",
     "TokenNormalisedSchedule",
-    "build_loss_fn",
     "vparallel_train_spec",
-    "register_specs",
+    "register",
 ]
 
 VERIFIED_VERSIONS = ("0.2.2",)
-SPEC_SUFFIXES = {"_vparallel": False, "_vparallel_fused": True}  # suffix -> fused
+SPEC_NAMES = {"llama3_vparallel": False, "llama3_vparallel_fused": True}  # name -> fused
 
 
 def _check_version() -> str:
@@ -152,16 +167,20 @@ def _options(job_config) -> VParallel:
     return cfg
 
 
+# The [vparallel] strings become the ops' option values here; whether a value is valid is then
+# decided by vparallel_ce.build_loss_fn, which checks every option when the loss is built.
+
+
 def _parse_chunks(value):
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    try:
-        k = int(value)
-    except (TypeError, ValueError):
-        k = 0
-    if k < 1 or (isinstance(value, float) and value != k):
-        raise ValueError(f"--vparallel.chunks must be 'auto' or a positive integer, got {value!r}")
-    return k
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text == "auto":
+            return "auto"
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"--vparallel.chunks must be 'auto' or a positive integer, got {value!r}") from None
+    return value  # an int from a TOML file
 
 
 def _parse_recompute(value):
@@ -172,11 +191,6 @@ def _parse_recompute(value):
     return table[text]
 
 
-def _loss_kwargs(cfg: VParallel) -> dict:
-    return {"chunks": _parse_chunks(cfg.chunks), "label_smoothing": float(cfg.label_smoothing),
-            "z_loss": float(cfg.z_loss), "check": bool(cfg.check)}
-
-
 def _policy(cfg: VParallel) -> ChunkPolicy:
     for name in ("budget_mib", "memory_mib"):
         if getattr(cfg, name) < 0:
@@ -185,9 +199,15 @@ def _policy(cfg: VParallel) -> ChunkPolicy:
                        memory_bytes=int(cfg.memory_mib * 2**20) if cfg.memory_mib else None)
 
 
+def _common_options(cfg: VParallel) -> dict:
+    # reduction="sum": torchtitan's trainer divides by the step's global valid-token count itself
+    return {"reduction": "sum", "chunks": _parse_chunks(cfg.chunks), "label_smoothing": float(cfg.label_smoothing),
+            "z_loss": float(cfg.z_loss), "check": bool(cfg.check)}
+
+
 # ---------------------------------------------------------------------------------------------
-# The losses: loss_fn(pred, labels) -> the SUM of the token losses, as torchtitan's trainer expects
-# (it divides by the step's global valid-token count itself)
+# The losses, in torchtitan's loss-function signature: loss_fn(pred, labels) -> the SUM of the
+# token losses. Each wraps the vparallel_ce.build_loss_fn module of its op.
 
 
 @contextlib.contextmanager
@@ -205,156 +225,243 @@ class LogitsLoss:
     __name__ = "vparallel_cross_entropy"
 
     def __init__(self, cfg: VParallel):
-        self.kwargs = _loss_kwargs(cfg)
+        self.module = vparallel_ce.build_loss_fn("chunked", **_common_options(cfg))
+
+    @property
+    def options(self) -> dict:
+        return self.module.options
 
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with _autocast_off(pred):
-            return vparallel_ce.cross_entropy(pred, labels, reduction="sum", **self.kwargs)
+            return self.module(pred, labels)
 
 
 class FusedLoss:
-    """``vparallel_ce.linear_cross_entropy`` on the :class:`LMHeadInputs` that :class:`FusedLMHead`
+    """``vparallel_ce.linear_cross_entropy`` on the ``(hidden, weight)`` that :class:`FusedLMHead`
     returns: the hidden states and this rank's lm_head weight (shard), no logits."""
 
     __name__ = "vparallel_linear_cross_entropy"
 
     def __init__(self, cfg: VParallel):
-        self.kwargs = _loss_kwargs(cfg)
-        schedule = str(cfg.schedule).strip().lower()
-        if schedule not in ("auto", "token", "vocab"):
-            raise ValueError(f"--vparallel.schedule must be auto, token or vocab, got {cfg.schedule!r}")
-        self.kwargs.update(schedule=schedule, recompute=_parse_recompute(cfg.recompute))
-        self.policy = _policy(cfg)
+        options = _common_options(cfg)
+        options.update(schedule=str(cfg.schedule).strip().lower(), recompute=_parse_recompute(cfg.recompute),
+                       policy=_policy(cfg))
+        self.module = vparallel_ce.build_loss_fn("fused", **options)
+
+    @property
+    def options(self) -> dict:
+        return self.module.options
+
+    @property
+    def policy(self) -> ChunkPolicy:
+        return self.module.options["policy"]
+
+    def set_microbatches_in_flight(self, n: int) -> None:
+        """Size the chunks for ``n`` microbatch losses alive at once (a pipeline schedule's count)."""
+        policy = dataclasses.replace(self.policy, microbatches_in_flight=int(n))
+        self.module = vparallel_ce.build_loss_fn("fused", **{**self.module.options, "policy": policy})
 
     def __call__(self, pred: tuple, labels: torch.Tensor) -> torch.Tensor:
         if not (isinstance(pred, tuple) and len(pred) == 2 and all(isinstance(t, torch.Tensor) for t in pred)):
             raise TypeError(
-                f"the fused vparallel loss takes the (hidden, weight) of a FusedLMHead lm_head, got "
-                f"{type(pred).__name__}: use a *_vparallel_fused train spec (its model's output module is a "
-                f"FusedLMHead), and keep model converters (float8, ...) off the lm_head"
+                f"the fused vparallel loss takes the (hidden, weight) that a FusedLMHead lm_head returns, got "
+                f"{type(pred).__name__}: use a *_vparallel_fused train spec, whose model's output module is a "
+                f"FusedLMHead"
             )
         hidden, weight = pred
         with _autocast_off(hidden):
-            return vparallel_ce.linear_cross_entropy(hidden, weight, labels, reduction="sum", policy=self.policy,
-                                                     **self.kwargs)
+            return self.module(hidden, weight, labels)
 
 
-def build_loss_fn(job_config, *, fused: bool = False, **kwargs):
-    """torchtitan ``TrainSpec.build_loss_fn``: the SUM loss of the ``[vparallel]`` options."""
+def build_torchtitan_loss_fn(job_config, *, fused: bool = False, **kwargs):
+    """A ``TrainSpec.build_loss_fn`` (torchtitan calls it as ``(job_config, parallel_dims=...)``):
+    the SUM loss of the ``[vparallel]`` options, :class:`FusedLoss` if ``fused`` else
+    :class:`LogitsLoss`. Bad options raise here, when torchtitan builds the loss."""
     del kwargs  # parallel_dims: the group comes from the DTensors
     cfg = _options(job_config)
     if job_config.compile.enable and "loss" in job_config.compile.components:
         logger.info("vparallel_ce: the loss is not compiled (it runs its own chunk loop and collectives)")
     loss = FusedLoss(cfg) if fused else LogitsLoss(cfg)
-    logger.info(f"vparallel_ce: {loss.__name__} with {loss.kwargs}")
+    logger.info(f"vparallel_ce: {loss.__name__} with {loss.options}")
     return loss
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused lm_head
+# The fused lm_head and its tensor-parallel style
 
 
-class _AnyPlacements:
-    """Equal to every placement tuple (see :attr:`LMHeadInputs.placements`)."""
+class FusedLMHead(nn.Module):
+    """An lm_head that returns the inputs of the fused loss, ``(hidden, weight)``, instead of logits.
 
-    def __eq__(self, other):
-        return True
-
-    def __ne__(self, other):
-        return False
-
-    __hash__ = object.__hash__
-
-    def __repr__(self):
-        return "AnyPlacements"
-
-
-_ANY_PLACEMENTS = _AnyPlacements()
-
-
-class LMHeadInputs(NamedTuple):
-    """What :class:`FusedLMHead` returns in place of the logits: the loss's inputs.
-
-    ``hidden``: ``[B, S, H]`` final hidden states (under TP: the ``Replicate`` DTensor that
-    ColwiseParallel's input hook made); ``weight``: a view of the lm_head weight taken inside the
-    forward (under TP: its ``Shard(0)`` DTensor; under FSDP: of the unsharded parameter). Tensors
-    only (no optional bias member): a pipeline stage's outputs must all be tensors.
-
-    Under TP the lm_head also carries ColwiseParallel's output hook, which moves the module's output
-    to the logits' layout (``redistribute``, then maybe ``to_local``). These inputs are not logits and
-    must pass through unchanged, so the three members below make that hook a no-op.
+    It holds the lm_head weight ``[V, H]`` as its own parameter ``weight`` (the nn.Linear's
+    parameter object, see :meth:`from_linear`), so state dicts, FSDP and the HF adapter see the
+    nn.Linear's names. The forward returns ``hidden`` as it arrives (under TP:
+    :class:`FusedLMHeadParallel` has made it ``Replicate``) and a view of the weight taken inside
+    the forward, which is what the loss needs: under TP the ``Shard(0)`` DTensor, under FSDP the
+    unsharded weight (outside the forward FSDP holds only its own shard; the parameter itself
+    would get FSDP's per-forward output hooks). Under autocast both are cast to the autocast
+    dtype, as ``F.linear`` would cast them. A plain tuple of tensors: what a pipeline stage may
+    output (torch detaches its members in place after the backward; it leaves the view alone).
     """
 
-    hidden: torch.Tensor
-    weight: torch.Tensor
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
 
-    @property
-    def placements(self):
-        return _ANY_PLACEMENTS
+    @classmethod
+    def from_linear(cls, linear: nn.Module) -> "FusedLMHead":
+        if not isinstance(linear, nn.Linear) or linear.bias is not None:
+            raise TypeError(f"the fused vparallel loss needs an nn.Linear lm_head without bias, got {linear!r}")
+        return cls(linear.weight)
 
-    def redistribute(self, *args, **kwargs):
-        return self
-
-    def to_local(self):
-        return self
-
-
-class FusedLMHead(nn.Linear):
-    """An ``nn.Linear`` lm_head whose forward returns :class:`LMHeadInputs` instead of logits.
-
-    The parameters and their names are those of the ``nn.Linear`` (TP, FSDP, checkpoints and the
-    HF state-dict adapter see no difference). Under autocast the forward casts hidden states and
-    weight to the autocast dtype, as ``F.linear`` would have. The weight is returned as a view: the
-    parameter object itself would put FSDP's per-forward output hooks on the persistent parameter.
-    """
-
-    def forward(self, x: torch.Tensor) -> LMHeadInputs:  # type: ignore[override]
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.weight
-        device_type = x.device.type
+        device_type = hidden.device.type
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
-            x, w = x.to(dtype), w.to(dtype)
-        return LMHeadInputs(x, w.view_as(w))
+            hidden, w = hidden.to(dtype), w.to(dtype)
+        return hidden, w.view_as(w)
+
+    def extra_repr(self) -> str:
+        return f"vocab_size={self.weight.shape[0]}, hidden_size={self.weight.shape[1]}"
+
+
+class FusedLMHeadParallel(ParallelStyle):
+    """Tensor parallelism for a :class:`FusedLMHead` (``parallelize_module(model, tp_mesh,
+    {"output": FusedLMHeadParallel(...)})``).
+
+    The weight is sharded as ``ColwiseParallel`` shards an lm_head's: ``Shard(0)``, the vocab
+    split over the TP mesh. The input, in ``input_layouts`` (``Shard(1)`` after torchtitan's
+    sequence-parallel norm; default ``Replicate()``), is made ``Replicate`` as ColwiseParallel
+    would. Unlike ColwiseParallel there is no output step: the module returns the hidden states and
+    the weight shard, not logits, and the loss consumes them as they are.
+    """
+
+    def __init__(self, *, input_layouts=None):
+        super().__init__()
+        self.input_layouts = (input_layouts or Replicate(),)
+
+    def _partition(self, name, module, device_mesh):
+        if isinstance(module, FusedLMHead):
+            weight = distribute_tensor(module.weight, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            module.register_parameter("weight", nn.Parameter(weight, requires_grad=module.weight.requires_grad))
+
+    def _prepare_input(self, module, inputs, device_mesh):
+        hidden = inputs[0]
+        if not isinstance(hidden, DTensor):
+            hidden = DTensor.from_local(hidden, device_mesh, self.input_layouts, run_check=False)
+        if hidden.placements != (Replicate(),):
+            hidden = hidden.redistribute(placements=(Replicate(),), async_op=True)
+        return (hidden, *inputs[1:])
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if not isinstance(module, FusedLMHead):
+            raise TypeError(f"FusedLMHeadParallel applies to a FusedLMHead, got {type(module).__name__}; an lm_head "
+                            "that returns logits takes ColwiseParallel")
+        return distribute_module(module, device_mesh, self._partition, self._prepare_input)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(input_layouts={self.input_layouts})"
 
 
 def _with_fused_head(model_cls: type) -> type:
-    """A subclass of ``model_cls`` whose ``output`` lm_head is a :class:`FusedLMHead` and whose forward
-    returns the plain tuple ``(hidden, weight)`` where the base model returned logits."""
+    """A subclass of ``model_cls`` whose ``output`` lm_head is a :class:`FusedLMHead` (built from the
+    ``nn.Linear`` that ``model_cls`` makes, same parameter and initialisation), so the model returns
+    ``(hidden, weight)`` where ``model_cls`` returned logits."""
 
-    def __init__(self, model_args):
-        model_cls.__init__(self, model_args)
-        head = getattr(self, "output", None)
-        if type(head) is not nn.Linear or head.bias is not None:
-            raise TypeError(f"{model_cls.__name__}.output must be an nn.Linear lm_head without bias for the fused "
-                            f"vparallel loss, got {head!r}")
-        # same parameters, same initialisation; only forward differs
-        head.__class__ = FusedLMHead
+    class FusedHeadModel(model_cls):
+        def __init__(self, model_args):
+            super().__init__(model_args)
+            self.output = FusedLMHead.from_linear(self.output)
 
-    def forward(self, *args, **kwargs):
-        out = model_cls.forward(self, *args, **kwargs)
-        # a plain tuple of tensors: what a pipeline stage may output (torch detaches its members in
-        # place after the backward; the weight is a view, which it leaves alone)
-        return tuple(out) if isinstance(out, LMHeadInputs) else out
-
-    return type(f"{model_cls.__name__}FusedHead", (model_cls,),
-                {"__init__": __init__, "forward": forward, "__module__": __name__})
+    FusedHeadModel.__name__ = FusedHeadModel.__qualname__ = f"{model_cls.__name__}FusedHead"
+    return FusedHeadModel
 
 
-def _with_unsharded_head(parallelize_fn):
-    """torchtitan's parallelize, then keep the FSDP lm_head group unsharded from its forward to its
-    backward: the loss runs after the module's forward, on the view of the unsharded weight."""
+def _apply_fused_tp(model: nn.Module, tp_mesh) -> None:
+    """torchtitan 0.2.2's llama3 TP plan (its ``apply_tp``: sequence parallelism around every norm,
+    column/row-parallel attention and feed-forward), with :class:`FusedLMHeadParallel` for the
+    lm_head where torchtitan gives it ColwiseParallel."""
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": FusedLMHeadParallel(input_layouts=Shard(1)),
+    })
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            # positions (the 4th input) stay plain tensors, as in torchtitan's plan
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+    logger.info("vparallel_ce: applied tensor parallelism, the lm_head with FusedLMHeadParallel")
 
-    def parallelize(model, parallel_dims, job_config):
-        model = parallelize_fn(model, parallel_dims, job_config)
-        head = getattr(model, "output", None)
-        if head is not None and hasattr(head, "set_reshard_after_forward"):  # an FSDPModule
+
+def parallelize_llama_fused(model: nn.Module, parallel_dims, job_config) -> nn.Module:
+    """The ``parallelize_fn`` of ``llama3_vparallel_fused``: torchtitan 0.2.2's ``parallelize_llama``
+    -- the same steps, through the same torchtitan functions, in its order: TP, context
+    parallelism, activation checkpointing, per-block compile, FSDP/HSDP or DDP -- for a model whose
+    lm_head is a :class:`FusedLMHead`. Two differences:
+
+    * under TP the lm_head gets :class:`FusedLMHeadParallel`, where torchtitan's plan (written
+      into its ``apply_tp``) gives it ColwiseParallel, whose output step would treat the module's
+      output as logits;
+    * under FSDP the lm_head's group stays unsharded from its forward to its backward: the loss
+      runs after the module's forward, on the view of the unsharded weight.
+    """
+    if job_config.training.seq_len % parallel_dims.seq_len_divisor:
+        raise ValueError(f"sequence length {job_config.training.seq_len} must be divisible by "
+                         f"{parallel_dims.seq_len_divisor} (the TP degree times 2 x the CP degree)")
+    if parallel_dims.tp_enabled:
+        float8 = "float8" in job_config.model.converters
+        rowwise = job_config.quantize.linear.float8.recipe_name in ("rowwise", "rowwise_with_gw_hp")
+        if float8 and not rowwise:
+            raise NotImplementedError("llama3_vparallel_fused does not apply float8 tensorwise tensor parallelism; use "
+                                      "a rowwise float8 recipe (high-precision all-gathers) or llama3_vparallel")
+        tp_mesh = parallel_dims.get_mesh("tp")
+        _apply_fused_tp(model, tp_mesh)
+        maybe_enable_async_tp(job_config, tp_mesh)
+    if parallel_dims.cp_enabled:
+        apply_cp_to_attention_module([block.attention.inner_attention for block in model.layers.values()],
+                                     parallel_dims.get_mesh("cp"), getattr(model.model_args, "attn_type", "sdpa"))
+    compile_model = job_config.compile.enable and "model" in job_config.compile.components
+    if job_config.activation_checkpoint.mode != "none":
+        # llama3's selective-AC save list (module-level in torchtitan's parallelize), so that the
+        # fused spec saves and recomputes the same ops as llama3
+        apply_ac(model, job_config.activation_checkpoint, model_compile_enabled=compile_model,
+                 op_sac_save_list=_llama3_parallelize._op_sac_save_list, base_folder=job_config.job.dump_folder)
+    if compile_model:
+        _llama3_parallelize.apply_compile(model, job_config.compile)
+    if parallel_dims.fsdp_enabled:
+        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+        _llama3_parallelize.apply_fsdp(
+            model, parallel_dims.get_mesh(names),
+            param_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_param],
+            reduce_dtype=TORCH_DTYPE_MAP[job_config.training.mixed_precision_reduce],
+            pp_enabled=parallel_dims.pp_enabled, cpu_offload=job_config.training.enable_cpu_offload,
+            reshard_after_forward_policy=job_config.parallelism.fsdp_reshard_after_forward,
+        )
+        head = model.output  # None on pipeline stages without the lm_head
+        if isinstance(head, FSDPModule):
             if job_config.parallelism.fsdp_reshard_after_forward == "always":
-                logger.info("vparallel_ce: keeping the lm_head's FSDP group unsharded between its forward and "
-                            "the fused loss (fsdp_reshard_after_forward=always applies to the other groups)")
+                logger.info("vparallel_ce: keeping the lm_head's FSDP group unsharded between its forward and the "
+                            "fused loss (fsdp_reshard_after_forward=always applies to the other groups)")
             head.set_reshard_after_forward(False, recurse=False)
-        return model
-
-    return parallelize
+    elif parallel_dims.dp_replicate_enabled:
+        dp_mesh = parallel_dims.get_mesh("dp_replicate")
+        if parallel_dims.world_size != dp_mesh.size():
+            raise RuntimeError("DDP has not supported > 1D parallelism")
+        _llama3_parallelize.apply_ddp(model, dp_mesh, enable_compile=compile_model)
+    return model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,7 +484,8 @@ class TokenNormalisedSchedule:
     multiplied by A: exact when the accumulation steps hold the same number of valid tokens, as
     torchtitan's packed text datasets always do (no ignored labels).
 
-    ``eval()`` (validation) keeps the SUM losses torchtitan's validator expects.
+    ``eval()`` (validation) keeps the SUM losses torchtitan's validator expects. Every other
+    attribute is the wrapped schedule's.
     """
 
     def __init__(self, schedule, loss: PipelineLoss, *, count_group=None, accumulation_steps: int = 1):
@@ -405,14 +513,14 @@ class TokenNormalisedSchedule:
 
 
 def _token_normalised_pipelining(pipelining_fn):
+    @functools.wraps(pipelining_fn)
     def pipelining(model, parallel_dims, job_config, device, model_args, parallelize_fn, loss_fn):
         pipe_loss = PipelineLoss(loss_fn, name=getattr(loss_fn, "__name__", "loss"))
         schedule, model_parts, has_first, has_last = pipelining_fn(
             model, parallel_dims, job_config, device, model_args, parallelize_fn, pipe_loss
         )
-        policy = getattr(loss_fn, "policy", None)
-        if policy is not None:  # the fused loss: size the chunks for the losses alive at once
-            loss_fn.policy = dataclasses.replace(policy, microbatches_in_flight=microbatches_in_flight(schedule))
+        if isinstance(loss_fn, FusedLoss):  # size the chunks for the losses alive at once
+            loss_fn.set_microbatches_in_flight(microbatches_in_flight(schedule))
         batch = parallel_dims.dp_replicate * parallel_dims.dp_shard
         global_batch = job_config.training.global_batch_size
         local_batch = job_config.training.local_batch_size
@@ -432,30 +540,41 @@ def _token_normalised_pipelining(pipelining_fn):
 # The specs
 
 
-def vparallel_train_spec(base, *, fused: bool):
-    """A copy of the torchtitan ``TrainSpec`` ``base`` with vparallel_ce's loss (``fused``: the lm_head
-    fused into it). Shares ``base.model_args`` (the flavors) with ``base``."""
+def vparallel_train_spec(base, *, fused: bool, parallelize_fn=None):
+    """A copy of the torchtitan ``TrainSpec`` ``base`` with vparallel_ce's loss; shares
+    ``base.model_args`` (the flavors) with ``base``.
+
+    ``fused``: the model's ``output`` lm_head becomes a :class:`FusedLMHead` and the loss
+    :class:`FusedLoss`. The spec then needs a ``parallelize_fn`` that gives the lm_head
+    :class:`FusedLMHeadParallel` under TP: :func:`parallelize_llama_fused` for a base that uses
+    torchtitan's ``parallelize_llama``; for other bases pass your own (fused specs only).
+    """
+    if parallelize_fn is not None and not fused:
+        raise TypeError("parallelize_fn= is for fused specs; the logits spec keeps the base's")
     changes = {
-        "build_loss_fn": _fused_loss_builder if fused else build_loss_fn,
+        "build_loss_fn": functools.partial(build_torchtitan_loss_fn, fused=fused),
         "pipelining_fn": None if base.pipelining_fn is None else _token_normalised_pipelining(base.pipelining_fn),
     }
     if fused:
+        if parallelize_fn is None:
+            if base.parallelize_fn is not _llama3_parallelize.parallelize_llama:
+                raise ValueError(
+                    f"a fused spec from a base whose parallelize_fn is {base.parallelize_fn.__name__} needs "
+                    "parallelize_fn=: one that gives the FusedLMHead lm_head FusedLMHeadParallel under TP "
+                    "(torchtitan writes each model's TP plan into its parallelize function)"
+                )
+            parallelize_fn = parallelize_llama_fused
         changes["model_cls"] = _with_fused_head(base.model_cls)
-        changes["parallelize_fn"] = _with_unsharded_head(base.parallelize_fn)
+        changes["parallelize_fn"] = parallelize_fn
     return dataclasses.replace(base, **changes)
 
 
-def _fused_loss_builder(job_config, **kwargs):
-    return build_loss_fn(job_config, fused=True, **kwargs)
-
-
-def register_specs(base_name: str = "llama3") -> dict:
-    """Register ``{base_name}_vparallel`` and ``{base_name}_vparallel_fused`` built from torchtitan's
-    ``base_name`` spec; registering the same names again is a no-op. Returns {name: TrainSpec}."""
-    base = _train_spec.get_train_spec(base_name)
+def register() -> dict:
+    """Register the train specs of :data:`SPEC_NAMES` with torchtitan, built from its ``llama3``
+    spec. Idempotent: a name already registered keeps its spec. Returns ``{name: TrainSpec}``."""
+    base = _train_spec.get_train_spec("llama3")
     specs = {}
-    for suffix, fused in SPEC_SUFFIXES.items():
-        name = base_name + suffix
+    for name, fused in SPEC_NAMES.items():
         try:
             spec = _train_spec.get_train_spec(name)
         except ValueError:  # not registered yet
@@ -465,4 +584,4 @@ def register_specs(base_name: str = "llama3") -> dict:
     return specs
 
 
-register_specs("llama3")
+register()  # what --experimental.custom_import relies on (see the module docstring)
