@@ -30,9 +30,10 @@ from torch import nn
 from . import comm
 from .call import is_dtensor
 from .cross_entropy import cross_entropy
+from .layout import VocabLayout, shard_sizes
 from .linear import linear_cross_entropy
 from .stats import compute_dtype
-from .validate import agree, check_options
+from .validate import check_options
 
 __all__ = ["build_loss_fn", "PlainCrossEntropy", "VocabParallelCrossEntropy", "LinearCrossEntropy", "LOSSES"]
 
@@ -125,9 +126,14 @@ class PlainCrossEntropy(_LossModule):
 
 
 def _gather_vocab(x: torch.Tensor, group) -> torch.Tensor:
-    lay, _ = agree(None, group, local_size=lambda: x.shape[-1], facts=dict, device=x.device, vocab_size=None,
-                   check=True)
-    return _GatherVocab.apply(x, lay)
+    # the reference needs only the shard sizes (not the ops' agreement on options and targets):
+    # one small all-gather, and the same error on every rank when they are not torch.chunk's
+    world, me = comm.world_size(group), comm.rank(group)
+    sizes = [row[0] for row in comm.all_gather_ints([x.shape[-1]], group, x.device)]
+    if sizes != shard_sizes(sum(sizes), world):
+        raise ValueError(f"vocab shard sizes over the group are {sizes}, not the torch.chunk layout of "
+                         f"V={sum(sizes)} over {world} ranks {shard_sizes(sum(sizes), world)}")
+    return _GatherVocab.apply(x, VocabLayout.of_rank(group, world, me, sum(sizes)))
 
 
 class _GatherVocab(torch.autograd.Function):
