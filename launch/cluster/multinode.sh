@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Start train_demo.py on THIS node of a multi-node job; run the same command on every node.
 #
-#   NNODES=2 NPROC_PER_NODE=8 MASTER_ADDR=node0 launch/multinode.sh --model llama3_8b --tp 8 --pp 2
+#   NNODES=2 NPROC_PER_NODE=8 MASTER_ADDR=node0 launch/cluster/multinode.sh --model llama3_8b --tp 8 --pp 2 --no-check
 #
 # The nodes meet through torchrun's c10d rendezvous at MASTER_ADDR:MASTER_PORT (the
 # first node to arrive hosts it; every node must be able to reach that address), so
 # there is no per-node rank to set. Everything after the script name goes to
-# train_demo.py. See docs/multinode.md.
+# launch/train_demo.py. See docs/multinode.md.
 #
 # Environment (defaults in brackets):
 #   NNODES          number of nodes, or MIN:MAX for an elastic range          [1]
@@ -15,12 +15,12 @@
 #   MASTER_PORT     its port                                                  [29500]
 #   RDZV_ID         job id shared by the nodes (SLURM: $SLURM_JOB_ID)     [vparallel_ce_demo]
 #   MAX_RESTARTS    restarts of the whole group after a worker fails          [0]
-#                   (pair with --checkpoint-dir DIR --resume to continue from the last save)
 #   PYTHON          interpreter                                               [python3]
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-repo="$(dirname "$here")"
+launch="$(dirname "$here")"
+repo="$(dirname "$launch")"
 python="${PYTHON:-python3}"
 
 if [[ -z "${NPROC_PER_NODE:-}" ]]; then
@@ -37,4 +37,4 @@ exec "$python" -m torch.distributed.run \
     --rdzv-endpoint "${MASTER_ADDR:-127.0.0.1}:${MASTER_PORT:-29500}" \
     --rdzv-id "${RDZV_ID:-vparallel_ce_demo}" \
     --max-restarts "${MAX_RESTARTS:-0}" \
-    "$here/train_demo.py" "$@"
+    "$launch/train_demo.py" "$@"

@@ -1,4 +1,4 @@
-"""A small Llama-3 style decoder used by ``train_demo.py``.
+"""A small Llama-3 style decoder used by ``launch/train_demo.py`` and ``launch.bench.step``.
 
 Not part of the library: the demo needs a real model to show the loss ops under
 DP x TP x PP, and this is the least code that has the right shapes.
@@ -11,7 +11,8 @@ Pipeline stages are the same class with parts removed (``keep_only``): the first
 stage keeps ``tok_embeddings``, the last keeps ``norm`` and ``output``, and every
 stage keeps its slice of ``layers``. ``layers`` is a ``ModuleDict`` keyed by the
 layer's global index so parameter names (``layers.7.attention.wq.weight``) are
-the same in every layout; initialisation and checkpoints key on these names.
+the same in every layout; initialisation keys on these names. ``apply_tp`` shards a
+stage for tensor parallelism (DTensor).
 
 Shapes: B = batch (microbatch) size, S = sequence length, D = ``dim``,
 H = heads, K = kv heads, Q = head dim, F = ``ffn_dim``, V = vocab size. Under
@@ -277,8 +278,33 @@ def count_params(args: ModelArgs) -> tuple[int, int]:
     return non_embedding + args.vocab_size * d, non_embedding
 
 
-def flops_per_token(args: ModelArgs, seq_len: int) -> int:
-    """Training FLOPs per token: 6 * non-embedding params (matmuls, fwd + bwd)
-    + 12 * L * H * Q * T (attention scores and weighted sum, fwd + bwd)."""
-    _, non_embedding = count_params(args)
-    return 6 * non_embedding + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+def apply_tp(stage: Transformer, tp_mesh, sp: bool) -> None:
+    """Tensor parallelism over ``tp_mesh``, in place: attention and MLP colwise/rowwise, the embedding
+    rowwise, the lm_head colwise with its output left vocab-sharded (the losses work on the shards);
+    ``sp``: sequence parallelism (norms and the residual stream split along the sequence)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    seq = Shard(1) if sp else Replicate()  # the residual stream between blocks
+    top = {}
+    if stage.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if stage.output is not None:
+        if sp:
+            top["norm"] = SequenceParallel()
+        # the lm_head's output stays vocab-sharded: the losses work on the shards
+        top["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=True)
+    if top:
+        parallelize_module(stage, tp_mesh, top)
+    for block in stage.layers.values():
+        plan = {f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
+        plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                     "attention.wo": RowwiseParallel(output_layouts=seq),
+                     "feed_forward.w2": RowwiseParallel(output_layouts=seq)})
+        if sp:
+            gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                        use_local_output=True)
+            plan.update({"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+                         "attention": gather, "feed_forward": gather})
+        parallelize_module(block, tp_mesh, plan)
