@@ -1,7 +1,7 @@
-"""Smoke test of launch/bench_step.py on CPU: the tiny model, checkpointed blocks, gradients
-dropped as they complete, our loss and the plain one. The script must exit 0, write one JSON line
-per loss, and every loss must give the same step-1 loss value (the timings mean nothing here; the
-H200 run is in docs/benchmarks.md, run 6)."""
+"""Smoke test of ``python -m launch.bench.step`` on CPU: the tiny model, checkpointed blocks,
+gradients dropped as they complete, our loss and the plain one. The benchmark must exit 0, write one
+JSON line per loss, and every loss must give the same step-1 loss value (the timings mean nothing
+here; the GPU run is in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def test_bench_step_smoke_on_cpu(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     out = tmp_path / "step.jsonl"
-    proc = subprocess.run([sys.executable, str(ROOT / "launch" / "bench_step.py"), "--small", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "launch.bench.step", "--small", "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -1,6 +1,6 @@
-"""Smoke test of launch/bench_tp.py: 2 gloo ranks on CPU through torchrun, small shapes.
+"""Smoke test of ``torchrun -m launch.bench.tp``: 2 gloo ranks on CPU, small shapes.
 
-Checks that the script exits 0 (every correctness check of our ops within tolerance at TP=2,
+Checks that the benchmark exits 0 (every correctness check of our ops within tolerance at TP=2,
 bf16/fp32, sequence parallel on/off), prints its final table with a row per method, and writes JSON
 lines. The timings themselves mean nothing here (2 shared cores); the multi-GPU run is documented in
 docs/benchmarks.md.
@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "launch" / "bench_tp.py"
 METHODS = ("ours_lce:auto", "ours_lce:token1", "ours_ce", "megatron_ce", "loss_parallel")
 ROW_RE = re.compile(r"^\| 2 \| (\S+) \| (\S+) \| [^|]* \| ([0-9.]+) \| [^|]* \| ([0-9.-]+) \|", re.M)
 
@@ -33,16 +32,15 @@ def test_bench_tp_small_two_gloo_ranks(tmp_path):
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.pop("OMP_NUM_THREADS", None)
-    env.pop("OUT", None)
     out = tmp_path / "bench_tp.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(SCRIPT), "--small", "--repeats", "2", "--warmup", "1", "--timeout", "60", "--json", str(out)]
+           "-m", "launch.bench.tp", "--small", "--repeats", "2", "--warmup", "1", "--timeout", "60", "--json", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
                           stdin=subprocess.DEVNULL)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    assert "## bench_tp: world 2 (gloo)" in proc.stdout, log[-4000:]
+    assert "## launch.bench.tp: world 2 (gloo)" in proc.stdout, log[-4000:]
     assert "correctness: ok, all 6 checks of ours" in proc.stdout, log[-4000:]
     rows = {m.group(1): m for m in ROW_RE.finditer(proc.stdout)}
     assert set(rows) == set(METHODS), proc.stdout[-3000:]

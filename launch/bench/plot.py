@@ -1,7 +1,8 @@
-#!/usr/bin/env python
-"""Plots of a bench_loss.py JSON-lines file: the time-vs-memory frontier and time vs chunk count.
+"""Plots of a ``launch.bench.loss`` JSON-lines file: the time-vs-memory frontier and time vs chunk
+count, as ``frontier.png`` and ``chunks.png``.
 
-    python launch/plot_bench.py docs/bench_loss_h200.jsonl --out docs/img
+    python -m launch.bench.plot                        # results/loss_h200.jsonl -> docs/img/
+    python -m launch.bench.plot loss.jsonl --out plots
 
 Needs matplotlib (a benchmark tool, not a dependency of the library).
 """
@@ -13,6 +14,8 @@ import json
 from pathlib import Path
 
 PEERS = ("fp32_plain", "compile", "liger", "cce")
+RESULTS = Path(__file__).resolve().parent / "results"
+DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
 
 
 def load(path: Path) -> list[dict]:
@@ -37,8 +40,8 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("jsonl", type=Path)
-    p.add_argument("--out", type=Path, default=Path("docs/img"))
+    p.add_argument("jsonl", type=Path, nargs="?", default=RESULTS / "loss_h200.jsonl")
+    p.add_argument("--out", type=Path, default=DOCS_IMG, help="output folder (default: the docs' images)")
     args = p.parse_args()
     records = load(args.jsonl)
     shapes = list(dict.fromkeys(r["shape"] for r in records))
@@ -62,7 +65,8 @@ def main() -> None:
         ax.set_ylabel("fwd+bwd ms")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle("lm_head + cross-entropy on one H200: time vs memory (lower-left is better)")
+    device = next((r["device"] for r in records if r.get("device")), "one device")
+    fig.suptitle(f"lm_head + cross-entropy on {device}: time vs memory (lower-left is better)")
     fig.tight_layout()
     fig.savefig(args.out / "frontier.png", dpi=110)
 

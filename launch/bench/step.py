@@ -1,6 +1,6 @@
 """One Llama3-8B training step (forward + backward) on one GPU with each loss, in one process.
 
-The setting of issue 12's end-to-end goal: the full Llama3-8B (32 layers, H=4096, V=128256) in
+The end-to-end setting: the full Llama3-8B (32 layers, H=4096, V=128256) in
 bf16, batch 1 x 8192 tokens, per-block activation checkpointing, and every parameter gradient
 dropped as soon as it is accumulated (``register_post_accumulate_grad_hook``), as FSDP frees a
 gradient once it has reduce-scattered it. No optimizer step (the same for every loss).
@@ -16,8 +16,11 @@ Losses: ``plain`` (fp32-upcast ``F.cross_entropy`` over full logits), ``compile`
 ``torch.compile``), ``liger``, ``cce``, ``ours`` (``linear_cross_entropy``, ``chunks="auto"``),
 ``ours:<schedule>:<chunks>`` for a fixed point.
 
-    python launch/bench_step.py --json $OUT/bench_step.jsonl       # on the H200
-    python launch/bench_step.py --small                             # CPU smoke test
+The model is the demo's (``launch/demo_model.py``). Run from the repository root (the results
+page's lines: ``launch/bench/results/step_h200.jsonl``)::
+
+    python -m launch.bench.step --json step.jsonl    # one GPU: every loss, the full 32-layer model
+    python -m launch.bench.step --small              # CPU smoke test: the tiny model, 64 tokens
 """
 
 from __future__ import annotations
@@ -32,13 +35,11 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_loss  # noqa: E402
-import vparallel_ce  # noqa: E402
-from model import Transformer, get_config  # noqa: E402
+import vparallel_ce
+from launch.bench import loss as bench_loss
+from launch.bench.timing import GiB
+from launch.demo_model import Transformer, get_config
 
-GiB = 1024**3
 
 
 class Checkpointed(torch.nn.Module):
@@ -54,7 +55,7 @@ class Checkpointed(torch.nn.Module):
 
 def make_loss(name: str, device: torch.device):
     """``fn(h [N, H], w [V, H], t [N]) -> mean loss``, or None where the peer is not importable
-    (the peers are ``bench_loss``'s: ``plain`` is its ``fp32_plain``)."""
+    (the peers are ``launch.bench.loss``'s: ``plain`` is its ``fp32_plain``)."""
     if name == "ours":
         return lambda h, w, t: vparallel_ce.linear_cross_entropy(h, w, t)
     if name.startswith("ours:"):

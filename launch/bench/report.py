@@ -1,8 +1,8 @@
-#!/usr/bin/env python
-"""Markdown tables of one ``bench_loss.py`` run (its JSON lines): every method per shape, and our
+"""Markdown tables of one ``launch.bench.loss`` run (its JSON lines): every method per shape, and our
 points against the peers measured in the same run.
 
-    python launch/bench_report.py docs/bench_loss_h200_run5.jsonl > /tmp/tables.md
+    python -m launch.bench.report                  # the results page's run: results/loss_h200.jsonl
+    python -m launch.bench.report loss.jsonl > tables.md
 
 Our points per shape: ``auto`` (``chunks="auto"``, the policy's pick), ``fastest`` (our fastest
 exact point), and ``lean`` (our fastest point within a memory bound: 1.15x Liger's peak, or 1.1x
@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 PEERS = ("fp32_plain", "bf16_plain", "compile", "liger", "cce", "gemm3", "kernels")
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def load(path: Path) -> list[dict]:
@@ -83,7 +84,7 @@ def summary(records: list[dict]) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("jsonl", type=Path)
+    p.add_argument("jsonl", type=Path, nargs="?", default=RESULTS / "loss_h200.jsonl")
     args = p.parse_args()
     records = load(args.jsonl)
     lines = ["## Our points against the peers (time ratio / memory ratio, same run)", ""] + summary(records)

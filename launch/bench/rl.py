@@ -1,5 +1,5 @@
 """RL token log-probs + entropy, forward+backward: ``linear_token_logprobs`` against the loss op and the
-gathered computation, on one device (TP=1).
+gathered computation, on one device (TP=1). The results page's lines: ``launch/bench/results/rl_h200.jsonl``.
 
 For each shape N x H x V (tokens x hidden x vocab; bf16 hidden states and weight, random targets and
 advantages) and each method it measures
@@ -20,8 +20,10 @@ Methods:
 * ``gathered`` -- the full logits: ``(h @ W.T).float() / T``, ``log_softmax``, gather, entropy
   ``-(p * log p).sum(-1)``, the same loss (what an RL trainer does without a fused op).
 
-    python launch/bench_rl.py --out $OUT/bench_rl.jsonl   # GPU: 8192x4096x128256, 8192x4096x16032
-    python launch/bench_rl.py --smoke                     # CPU, tiny shapes (tests/test_bench_rl.py)
+Run from the repository root::
+
+    python -m launch.bench.rl --out rl.jsonl   # one GPU, bf16: 8192x4096x128256 and 8192x4096x16032
+    python -m launch.bench.rl --smoke          # CPU, tiny shapes (tests/test_bench_rl.py)
 """
 
 from __future__ import annotations
@@ -29,19 +31,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import vparallel_ce  # noqa: E402
-from bench_loss import time_and_peak  # noqa: E402  (the one timing harness of the benchmarks)
+import vparallel_ce
+from launch.bench.timing import sync, time_and_peak
 
-GiB = 1024**3
 SHAPES = {"llama3_8b": (8192, 4096, 128256), "llama3_8b_tp8": (8192, 4096, 16032)}
 SMOKE_SHAPES = {"smoke": (256, 64, 1000), "smoke_odd": (192, 32, 333)}
 METHODS = ("rl_fused", "loss_op", "gathered")
@@ -108,11 +106,6 @@ def max_rel(x, ref) -> float:
 
 # ------------------------------------------------------------------------------------------ timing
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_once(fn, h, w, t, adv, temperature, chunks):
     h.grad = None
     w.grad = None
@@ -139,10 +132,10 @@ def bench_shape(tag, shape, args, device, dtype, emit):
     adv = torch.randn(n, generator=g).to(device)
     ref = None
     if not args.no_ref:
-        _sync(device)
+        sync(device)
         s = time.perf_counter()
         ref = reference(h, w, t, adv, args.temperature, getattr(torch, args.ref_dtype))
-        _sync(device)
+        sync(device)
         print(f"# {tag} N={n} H={hdim} V={v}: {args.ref_dtype} reference in {time.perf_counter() - s:.1f}s",
               flush=True)
     records = []
@@ -182,7 +175,7 @@ def fmt(x, spec):
 
 
 def print_table(records):
-    print(f"\n## bench_rl: fwd+bwd median ms; peak GiB over resident inputs (incl. dh + dW); "
+    print(f"\n## launch.bench.rl: fwd+bwd median ms; peak GiB over resident inputs (incl. dh + dW); "
           f"errors vs the float64 gathered computation; target rl_fused <= {TIME_TARGET}x loss_op time, same memory")
     print("| shape | method | ms | x loss_op | peak GiB | +GiB vs loss_op | err logp | err entropy | err dh | err dW |")
     print("|" + "---|" * 10)
@@ -208,7 +201,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=None, help="warm-up runs (default 2; 1 with --smoke)")
     p.add_argument("--ref-dtype", default="float64")
     p.add_argument("--no-ref", action="store_true", help="skip the reference (no error columns)")
-    p.add_argument("--out", default=None, help="JSON-lines output (default $OUT/bench_rl.jsonl if $OUT is set)")
+    p.add_argument("--out", default=None, help="append one JSON line per measurement to this file")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
 
@@ -228,14 +221,9 @@ def main(argv=None):
             shapes[s] = {**SHAPES, **SMOKE_SHAPES}.get(s) or tuple(int(x) for x in s.lower().split("x"))
     else:
         shapes = table
-    if not hasattr(vparallel_ce, "linear_token_logprobs"):
-        print("vparallel_ce has no linear_token_logprobs (issue 13 not implemented yet)", file=sys.stderr)
-        return 2
-
-    out_path = args.out or (os.path.join(os.environ["OUT"], "bench_rl.jsonl") if os.environ.get("OUT") else None)
-    fh = open(out_path, "a") if out_path else None
+    fh = open(args.out, "a") if args.out else None
     env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
-    print(f"# bench_rl: {env}, dtype {args.dtype}, T={args.temperature}, chunks={args.chunks}, "
+    print(f"# launch.bench.rl: {env}, dtype {args.dtype}, T={args.temperature}, chunks={args.chunks}, "
           f"repeats {args.repeats}, warmup {args.warmup}", flush=True)
 
     def emit(rec):

@@ -1,9 +1,10 @@
-"""Vocab-parallel loss under real tensor parallelism: correctness and per-rank cost (issue 8).
+"""The vocab-parallel loss under real tensor parallelism: correctness and per-rank cost.
 
-Run under torchrun, one process per GPU (NCCL) -- or on CPU with gloo and small shapes::
+Run from the repository root under torchrun, one process per GPU (NCCL) -- or on CPU with gloo and
+small shapes::
 
-    torchrun --nproc_per_node 8 launch/bench_tp.py --json $OUT/bench_tp.jsonl   # 8 H200s
-    torchrun --nproc_per_node 2 launch/bench_tp.py --small                       # CPU smoke test
+    torchrun --nproc_per_node 8 -m launch.bench.tp --json tp.jsonl   # 8 GPUs: TP 8, 2 x TP 4, 4 x TP 2
+    torchrun --nproc_per_node 2 -m launch.bench.tp --small           # CPU smoke test (gloo)
 
 TP groups: the whole world (TP = W) and, when W >= 4, its partitions into sub-groups of 4 and 2
 ranks (``dist.new_group``, created in the same order on every rank; the sub-groups of one size run
@@ -36,8 +37,8 @@ side by side, as DP replicas would).
    shard (targets folded into the shard, the same pinned plan/chunk count): ``comm`` = TP time -
    local time, roughly the collectives plus waiting for the slowest rank.
 
-Rank 0 prints the correctness lines, then one table (last), and appends JSON lines to ``--json``
-(default ``$OUT/bench_tp.jsonl`` when ``$OUT`` is set). Every wait is bounded by ``--timeout``.
+Rank 0 prints the correctness lines, then one table (last), and appends JSON lines to ``--json``.
+Every wait is bounded by ``--timeout``.
 """
 
 from __future__ import annotations
@@ -50,21 +51,16 @@ import os
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import vparallel_ce  # noqa: E402
-from vparallel_ce import policy as _policy  # noqa: E402
-from vparallel_ce.layout import shard_range  # noqa: E402
+import vparallel_ce
+from launch.bench.timing import GiB, timed
+from vparallel_ce import policy as _policy
+from vparallel_ce.layout import shard_range
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loss import timed  # noqa: E402
-
-GiB = 1024**3
 PERF_SHAPE = (8192, 4096, 128256)          # Llama3-8B lm_head: tokens, hidden, vocab
 CHECK_SHAPE = (4096, 4096, 128256 + 5)     # uneven vocab shards at every TP degree
 SMALL_PERF_SHAPE = (512, 64, 4000)
@@ -456,7 +452,7 @@ def _fmt(x, spec):
 
 def print_table(records, shape, world, backend, n_checks, n_fail):
     n, hdim, v = shape
-    print(f"\n## bench_tp: world {world} ({backend}), fwd+bwd per rank, N={n} H={hdim} V={v} bf16; "
+    print(f"\n## launch.bench.tp: world {world} ({backend}), fwd+bwd per rank, N={n} H={hdim} V={v} bf16; "
           f"correctness {n_checks - n_fail}/{n_checks} ok")
     print("| TP | method | input | plan | ms (max rank) | peak GiB | local ms | comm ms | comm % |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -488,7 +484,7 @@ def main(argv=None):
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--skip-perf", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective gives up")
-    p.add_argument("--json", default=None, help="JSON lines (rank 0; default $OUT/bench_tp.jsonl if $OUT is set)")
+    p.add_argument("--json", default=None, help="append JSON lines to this file (rank 0)")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
@@ -513,8 +509,7 @@ def main(argv=None):
     env = dict(torch=torch.__version__, world=world, backend=backend,
                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                kernels=vparallel_ce.kernels.ops_for(torch.empty(1, 1, device=device, dtype=torch.bfloat16)).name)
-    out_path = args.json or (os.path.join(os.environ["OUT"], "bench_tp.jsonl") if os.environ.get("OUT") else None)
-    fh = open(out_path, "a") if (out_path and rank == 0) else None
+    fh = open(args.json, "a") if (args.json and rank == 0) else None
     if rank == 0:
         print("#", json.dumps({**env, "tp_sizes": sizes, "check_shape": check_shape, "perf_shape": perf_shape}),
               flush=True)

@@ -1,5 +1,5 @@
 """The fused lm_head GEMM + cross-entropy kernels (``vparallel_ce.kernels.fused_linear``) against
-cuBLAS + our Triton row passes, per kernel, at the lm_head shapes of docs/benchmarks.md.
+cuBLAS + our Triton row passes, per kernel, at the lm_head shapes of ``launch.bench.loss``.
 
 Per shape N x H x V (bf16 ``h [N, H]``, ``w [V, H]``, uniform targets, 3% ignored, mean reduction's
 ``gscale``) it times, median of ``--repeats`` after warm-up (CUDA events):
@@ -21,9 +21,13 @@ option (bias, softcap, label smoothing, z-loss) at a medium shape with the defau
 table at the end has the best candidate per kind and shape, and the candidate with the best
 geometric-mean time over the shapes.
 
-    python launch/bench_fused.py --small                                 # CPU smoke test (interpreter, fp32)
-    python launch/bench_fused.py --set tiles --options --json $OUT/tiles.jsonl   # H200 (docs/kernels.md)
-    python launch/bench_fused.py --set persistent --no-baselines --json $OUT/pers.jsonl
+Run from the repository root (the results page's lines: ``launch/bench/results/fused_h200.jsonl``,
+the ``sweep`` set's ``fused_sweep_h200.jsonl``)::
+
+    python -m launch.bench.fused --small                                    # CPU smoke test (interpreter, fp32)
+    python -m launch.bench.fused --set tiles --options --json tiles.jsonl   # one Hopper GPU
+    python -m launch.bench.fused --set persistent --no-baselines --shapes llama3_8b gemma --json pers.jsonl
+    python -m launch.bench.fused --set sweep --shapes 8192x4096x8064 llama3_8b 8192x2304x8064 --json sweep.jsonl
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ import math
 import os
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 if "--small" in sys.argv:  # before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -42,9 +45,8 @@ if "--small" in sys.argv:  # before triton is imported
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_loss import SHAPES, shape_of, timed  # noqa: E402  (the lm_head shapes of docs/benchmarks.md)
+from launch.bench.loss import SHAPES, shape_of  # noqa: E402  (the lm_head shapes of the side-by-side)
+from launch.bench.timing import timed  # noqa: E402
 from vparallel_ce import stats  # noqa: E402
 from vparallel_ce.kernels import fused_linear as fl  # noqa: E402
 from vparallel_ce.kernels import triton_ce as tc  # noqa: E402
@@ -71,7 +73,7 @@ CANDIDATES = {
         "keep": [],
         "grad": [C(schedule="ws", num_warps=4, block_n=128, num_stages=4, tma_store=False)],
     },
-    # around the persistent defaults: grouping, stages, tile shape, a deeper K step (docs/kernels.md run 9)
+    # around the persistent defaults: grouping, stages, tile shape, a deeper K step
     "sweep": {
         "stats": [C(schedule="persistent", **kw) for kw in (
             {}, dict(group_m=4), dict(group_m=16), dict(num_stages=4), dict(block_m=256, block_n=128),
@@ -285,7 +287,7 @@ def main(argv=None):
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     shapes = SMALL_SHAPES if args.small else SHAPES
-    if args.shapes:  # names of bench_loss's shapes, or N x H x V
+    if args.shapes:  # names of launch.bench.loss's shapes, or N x H x V
         shapes = {k: shapes[k] if k in shapes else shape_of(k) for k in args.shapes}
     if args.small:
         cands = SMALL_CANDIDATES

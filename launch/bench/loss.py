@@ -1,4 +1,4 @@
-"""lm_head + cross-entropy, forward+backward: ours against the usual ways, in one run.
+"""The side-by-side: lm_head + cross-entropy, forward+backward, ours against the usual ways.
 
 For each shape N x H x V (tokens x hidden x vocab; bf16 hidden states and weight, random targets,
 mean reduction) and each method it measures
@@ -21,8 +21,12 @@ decides where the gradients are made: ``plan`` says ``kept`` / ``fwd`` / ``re``)
 ``:unfused`` runs cuBLAS + the row passes where the fused GEMM kernels would run, ``:nocheck``
 passes ``check=False`` (no host sync for the target check).
 
-    python launch/bench_loss.py --small                # CPU smoke test
-    python launch/bench_loss.py --json $OUT/bench.jsonl # the H200 run (docs/benchmarks.md)
+Run from the repository root (the results page's lines: ``launch/bench/results/loss_h200.jsonl``)::
+
+    python -m launch.bench.loss --small                          # CPU smoke test
+    python -m launch.bench.loss --json loss.jsonl                # one GPU: the four shapes, every method
+    python -m launch.bench.loss --shapes llama3_8b --methods compile,liger,ours:token:1,ours:auto:auto
+    python -m launch.bench.report loss.jsonl                     # the tables; launch.bench.plot: the figures
 """
 
 from __future__ import annotations
@@ -31,20 +35,16 @@ import argparse
 import json
 import math
 import os
-import statistics
-import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import vparallel_ce  # noqa: E402
-from vparallel_ce import policy as _policy  # noqa: E402
+import vparallel_ce
+from launch.bench.timing import sync, time_and_peak
+from vparallel_ce import policy as _policy
 
-GiB = 1024**3
 SHAPES = {
     "llama3_8b": (8192, 4096, 128256),
     "llama3_8b_tp8": (8192, 4096, 16032),
@@ -58,6 +58,8 @@ def shape_of(name: str) -> tuple[int, int, int]:
     """``(N, H, V)`` of a shape named in SHAPES / SMALL_SHAPES, or given as ``NxHxV``."""
     known = {**SHAPES, **SMALL_SHAPES}
     return known[name] if name in known else tuple(int(x) for x in name.lower().split("x"))
+
+
 CHUNKS = (1, 2, 4, 8, 16, 32)
 PEERS = ("fp32_plain", "bf16_plain", "compile", "torch_lce", "liger", "cce", "gemm3", "kernels")
 
@@ -177,12 +179,7 @@ def rel(a, ref):
     return float((a - ref).norm() / ref.norm())
 
 
-# ------------------------------------------------------------------------------------------ timing
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
+# ------------------------------------------------------------------------------------ the timed call
 
 def _gemm3(h, w, t):
     x = h @ w.t()
@@ -223,84 +220,6 @@ def run_once(fn, h, w, t):
     return loss, None
 
 
-def timed(fn, device, repeats: int, warmup: int, *, setup=None, ahead_ms: float = 0.0) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` calls after ``warmup`` (CUDA events on a
-    GPU, each call synchronised; host clock otherwise). ``setup()``, if given, runs before every
-    call, outside the timed region. ``ahead_ms`` (GPU only): each call is queued behind a spin
-    kernel of about that many ms, launched before the call's host work as a model's forward is in
-    a training step, and timed from the spin's end: host time the queue hides is not counted
-    (``0``: from an idle GPU, where every us of host time before the first kernel is)."""
-    cycles = spin_cycles(ahead_ms, device) if ahead_ms else 0
-    for _ in range(warmup):
-        if setup is not None:
-            setup()
-        fn()
-    times = []
-    for _ in range(repeats):
-        if setup is not None:
-            setup()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if cycles:
-                torch.cuda._sleep(cycles)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-_CYCLES_PER_MS: dict = {}
-
-
-def spin_cycles(ms: float, device) -> int:
-    """``torch.cuda._sleep`` cycles that spin about ``ms`` on ``device`` (measured once)."""
-    if device not in _CYCLES_PER_MS:
-        probe = 10**6
-        torch.cuda._sleep(probe)  # warm
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(probe)
-        end.record()
-        end.synchronize()
-        _CYCLES_PER_MS[device] = probe / start.elapsed_time(end)
-    return int(ms * _CYCLES_PER_MS[device])
-
-
-def time_and_peak(step, params, *, repeats: int, warmup: int, device, ahead_ms: float = 0.0):
-    """Median ms of ``step()`` (one forward+backward) over ``repeats`` after ``warmup`` (CUDA
-    events; host clock on CPU; ``ahead_ms`` as in :func:`timed`), then one more call from a clean
-    state for the peak memory over what was allocated before it (GiB, CUDA only). Returns
-    ``(ms, peak, that call's result)``. ``params``: the tensors whose ``.grad`` is cleared before
-    each call."""
-    def clean():
-        for p in params:
-            p.grad = None
-
-    for _ in range(warmup):
-        clean()
-        step()
-    _sync(device)
-    ms = timed(step, device, repeats, warmup=0, setup=clean, ahead_ms=ahead_ms)
-    clean()
-    peak = float("nan")
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    result = step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / GiB
-    return ms, peak, result
-
-
 def measure(fn, h, w, t, repeats: int, warmup: int, device, ahead_ms: float = 0.0):
     """``(ms, peak GiB, loss, extra)`` of one method's forward+backward (:func:`time_and_peak`)."""
     ms, peak, (loss, extra) = time_and_peak(lambda: run_once(fn, h, w, t), (h, w), repeats=repeats, warmup=warmup,
@@ -326,11 +245,11 @@ def inputs(shape, device):
 def bench_shape(tag, shape, methods, args, device, emit):
     n, hdim, v = shape
     h, w, t = inputs(shape, device)
-    _sync(device)
+    sync(device)
     s = time.perf_counter()
     ref_dtype = torch.float64 if not args.ref_fp32 else torch.float32
     ref_loss, ref_dh, ref_dw = reference(h.detach(), w.detach(), t, ref_dtype)
-    _sync(device)
+    sync(device)
     print(f"# {tag} N={n} H={hdim} V={v}: {str(ref_dtype).split('.')[-1]} reference in "
           f"{time.perf_counter() - s:.1f}s, loss {float(ref_loss):.5f}", flush=True)
     flops3 = 3 * 2 * n * hdim * v
@@ -342,7 +261,7 @@ def bench_shape(tag, shape, methods, args, device, emit):
                 continue
             ms, peak, loss, _ = measure(fn, h, w, t, args.repeats, args.warmup, device)
             rec.update(ms=ms, peak_gib=peak, tflops=flops3 / (ms * 1e-3) / 1e12)
-            if args.ahead_ms and device.type == "cuda":  # the training-step case: see timed()
+            if args.ahead_ms and device.type == "cuda":  # the training-step case: see timing.timed
                 rec.update(ahead_ms=args.ahead_ms, ms_behind=measure(fn, h, w, t, args.repeats, args.warmup, device,
                                                                      ahead_ms=args.ahead_ms)[0])
             if loss is not None:
@@ -409,9 +328,9 @@ def main(argv=None):
     p.add_argument("--chunks", default=",".join(map(str, CHUNKS)), help="chunk counts of our sweep")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--json", default=None, help="JSON-lines output (default $OUT/bench_loss.jsonl if $OUT is set)")
+    p.add_argument("--json", default=None, help="append one JSON line per measurement to this file")
     p.add_argument("--ahead-ms", type=float, default=0.0,
-                   help="also time each method behind this much queued GPU work (ms_behind; see timed())")
+                   help="also time each method behind this much queued GPU work (ms_behind; see timing.timed)")
     p.add_argument("--ref-fp32", action="store_true", help="fp32 reference instead of fp64")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -431,8 +350,7 @@ def main(argv=None):
     else:
         methods = [m for m in PEERS if not (device.type == "cpu" and m in ("compile", "gemm3"))] + ours
 
-    out_path = args.json or (os.path.join(os.environ["OUT"], "bench_loss.jsonl") if os.environ.get("OUT") else None)
-    fh = open(out_path, "a") if out_path else None
+    fh = open(args.json, "a") if args.json else None
     env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                kernels=vparallel_ce.kernels.ops_for(torch.empty(1, 1, device=device, dtype=torch.bfloat16)).name)
     try:

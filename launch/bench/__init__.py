@@ -1,0 +1,27 @@
+"""The benchmarks behind the results in docs/ (one GPU unless said otherwise).
+
+Run every module from the repository root with ``python -m`` (the package needs no install; the
+library itself does: ``pip install -e .``):
+
+========================  =================================================================
+``launch.bench.loss``     lm_head + cross-entropy fwd+bwd, ours against plain, ``torch.compile``,
+                          Liger-Kernel and cut-cross-entropy (when installed), time / peak memory /
+                          error: ``python -m launch.bench.loss --json loss.jsonl``
+``launch.bench.report``   its markdown tables: ``python -m launch.bench.report loss.jsonl``
+``launch.bench.plot``     its figures (matplotlib) into docs/img: ``python -m launch.bench.plot loss.jsonl``
+``launch.bench.tp``       real tensor parallelism, correctness and per-rank cost:
+                          ``torchrun --nproc_per_node 8 -m launch.bench.tp --json tp.jsonl``
+``launch.bench.rl``       RL log-probs + entropy: ``python -m launch.bench.rl --out rl.jsonl``
+``launch.bench.step``     one Llama3-8B training step per loss: ``python -m launch.bench.step --json step.jsonl``
+``launch.bench.fused``    the fused GEMM kernels against cuBLAS + row passes:
+                          ``python -m launch.bench.fused --set tiles --options --json fused.jsonl``
+``launch.bench.timing``   the timing helper all of them share
+========================  =================================================================
+
+Every module takes ``--help``; ``loss``, ``tp``, ``step`` and ``fused`` take ``--small`` (``rl``:
+``--smoke``) for a CPU smoke test. ``results/`` holds the JSON lines the docs' tables are made from.
+Before benchmarking a GPU, run the CUDA tests on it::
+
+    pytest -q -n 8 tests/test_kernels.py tests/test_fused_linear.py tests/test_linear.py \
+        tests/test_cross_entropy.py tests/test_autocast.py tests/test_logprobs.py
+"""
