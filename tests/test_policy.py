@@ -165,7 +165,7 @@ _BENCH_SHAPES = {"llama3_8b": (8192, 4096, 128256), "llama3_8b_tp8": (8192, 4096
 
 
 def test_the_memory_model_matches_every_point_measured_on_the_h200():
-    # docs/bench_loss_h200_run7.jsonl: every plan of ours at the four benchmark shapes, bf16, one
+    # tests/fixtures/loss_h200_all_plans.jsonl: every plan of ours at the four benchmark shapes, bf16, one
     # GPU; the model (policy.peak_bytes, which explain prints) must be within 1% of each peak
     import json
     from pathlib import Path
@@ -173,7 +173,7 @@ def test_the_memory_model_matches_every_point_measured_on_the_h200():
     from vparallel_ce.policy import Plan, peak_bytes
 
     rows = [json.loads(line) for line in
-            (Path(__file__).resolve().parents[1] / "docs" / "bench_loss_h200_run7.jsonl").read_text().splitlines()]
+            (Path(__file__).resolve().parent / "fixtures" / "loss_h200_all_plans.jsonl").read_text().splitlines()]
     checked = 0
     for r in rows:
         if not r.get("plan"):  # a peer
