@@ -2,7 +2,7 @@
 
 Each run is ``torchrun ... tests/torchtitan_cpu.py`` -- torchtitan's ``main(Trainer)`` with its device
 lookup pointed at the CPU -- training torchtitan's llama3 debug model for a few steps on a tokenizer
-and a text dataset that launch/torchtitan_assets.py writes into the test's tmp dir (nothing is
+and a text dataset that launch/cluster/torchtitan_assets.py writes into the test's tmp dir (nothing is
 downloaded). The tests parse
 torchtitan's log lines (``step: N  loss: X  grad_norm: G ...``) and compare, layout by layout:
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "tests" / "torchtitan_cpu.py"
-ASSETS = ROOT / "launch" / "torchtitan_assets.py"
+ASSETS = ROOT / "launch" / "cluster" / "torchtitan_assets.py"
 RUN_TIMEOUT = 240  # seconds per torchrun
 STEPS = 3
 LOCAL_BATCH, SEQ_LEN = 2, 64
@@ -230,7 +230,7 @@ def _env() -> dict:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
-    """launch/torchtitan_assets.py: a word-level tokenizer (ids < 2048, the debug model's vocab) and
+    """launch/cluster/torchtitan_assets.py: a word-level tokenizer (ids < 2048, the debug model's vocab) and
     a jsonl text dataset, in torchtitan's hf_assets / dataset_path layout."""
     root = tmp_path_factory.mktemp("titan_assets")
     proc = subprocess.run([sys.executable, str(ASSETS), str(root), "--vocab", "2048", "--docs", "100"],

@@ -3,7 +3,7 @@
 # (torchtitan's AMP), selective (per-op) activation checkpointing, seed 42, deterministic, with
 # torchtitan's llama3 spec and both vparallel specs; then a JSON-lines summary.
 #
-#   launch/torchtitan_h200.sh OUTDIR [STEPS] [SECONDS_PER_RUN]
+#   launch/cluster/torchtitan_gpu.sh OUTDIR [STEPS] [SECONDS_PER_RUN]
 #
 # Needs torchtitan 0.2.2 and vparallel_ce importable; writes OUTDIR/<spec>.log and OUTDIR/results.jsonl.
 set -uo pipefail

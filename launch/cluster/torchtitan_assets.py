@@ -1,14 +1,14 @@
 #!/usr/bin/env python
 """Write a tokenizer and a text dataset that torchtitan's llama3 data path can read offline.
 
-    python launch/torchtitan_assets.py OUT [--vocab 2048] [--docs 100] [--words 50 300]
+    python launch/cluster/torchtitan_assets.py OUTDIR [--vocab 2048] [--docs 100] [--words 50 300]
 
-OUT/tokenizer: a word-level HF ``tokenizer.json`` (``<unk>``, BOS ``<|begin_of_text|>``, EOS
+OUTDIR/tokenizer: a word-level HF ``tokenizer.json`` (``<unk>``, BOS ``<|begin_of_text|>``, EOS
 ``<|end_of_text|>``, then ``vocab - 3`` words ``w0``, ``w1``, ...) with its ``tokenizer_config.json``
--> ``--model.hf_assets_path OUT/tokenizer``.
-OUT/data/train.jsonl: ``{"text": ...}`` documents, each a walk of a seeded Markov chain in which
+-> ``--model.hf_assets_path OUTDIR/tokenizer``.
+OUTDIR/data/train.jsonl: ``{"text": ...}`` documents, each a walk of a seeded Markov chain in which
 every word has 4 possible successors (learnable) -> ``--training.dataset c4_test
---training.dataset_path OUT/data``.
+--training.dataset_path OUTDIR/data``.
 
 Every token id is below ``--vocab``: keep it <= the model's vocab size (2048 for the debug model).
 Needs the ``tokenizers`` package (a torchtitan dependency).

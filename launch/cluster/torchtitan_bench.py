@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """torchtitan's own trainer on one of its llama3 flavors cut to fewer layers, and a summary of runs.
 
-    torchrun --nproc-per-node 1 launch/torchtitan_bench.py --flavor 8B --layers 12 -- <torchtitan.train args>
-    python launch/torchtitan_bench.py --summarize llama3=A.log llama3_vparallel=B.log ... > results.jsonl
+    torchrun --nproc-per-node 1 launch/cluster/torchtitan_bench.py --flavor 8B --layers 12 -- <torchtitan.train args>
+    python launch/cluster/torchtitan_bench.py --summarize llama3=A.log llama3_vparallel=B.log ... > results.jsonl
 
 Train: registers the flavor ``{flavor}_{layers}layers`` (the flavor's TransformerModelArgs with
 ``n_layers`` replaced) in torchtitan's llama3 flavors -- which the vparallel specs share -- imports
@@ -11,7 +11,7 @@ vparallel_ce.integrations.torchtitan, adds ``--model.flavor`` and runs ``torchti
 Summarize: reads torchtitan's log lines (``step: N  loss: X  grad_norm: G  memory: M GiB(P%)  tps: T``)
 and prints one JSON line per run: step-1 loss, the max abs loss gap to the first run over their
 common steps, peak reserved memory and the median tps of steps >= 2 (step 1 includes warm-up).
-launch/torchtitan_h200.sh runs the three specs and this summary.
+launch/cluster/torchtitan_gpu.sh runs the three specs and this summary.
 """
 
 from __future__ import annotations
