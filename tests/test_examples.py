@@ -1,0 +1,45 @@
+"""The minimal examples in launch/examples/ run on CPU and check themselves (each ends with OK).
+
+tp_cross_entropy.py spawns its two gloo processes itself, and also runs under torchrun;
+rl_logprobs.py is one process. Each run has a bounded wall time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "launch" / "examples"
+TIMEOUT = 180  # seconds per run
+
+
+def _env() -> dict:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.pop("OMP_NUM_THREADS", None)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("cmd", [
+    ["tp_cross_entropy.py"],
+    ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "PORT", "tp_cross_entropy.py"],
+    ["rl_logprobs.py"],
+], ids=["tp-spawned", "tp-torchrun", "rl"])
+def test_example_runs_and_checks_itself(tmp_path, cmd):
+    cmd = [str(EXAMPLES / c) if c.endswith(".py") else str(_free_port()) if c == "PORT" else c for c in cmd]
+    proc = subprocess.run([sys.executable, *cmd], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                          timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.rstrip().endswith("OK"), proc.stdout[-2000:]
