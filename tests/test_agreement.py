@@ -134,3 +134,15 @@ def test_the_exchange_row_has_the_same_length_for_every_op_and_option():
                  recompute=True, fused=True, label_smoothing=0.1, softcap=2.0),
     ]
     assert len({len(r.row()) for r in rows}) == 1
+
+
+def unreplicated_unchecked_rank(rank, world):
+    import torch.distributed as dist
+
+    h, w, t = _inputs(rank, world)
+    # the caller says the hidden states differ on purpose: no error, and the loss is this rank's own
+    return float(vparallel_ce.linear_cross_entropy(h + rank, w, t, group=dist.group.WORLD, check_replicated=False))
+
+
+def test_check_replicated_false_skips_only_the_hidden_check():
+    assert len(run_ranks(unreplicated_unchecked_rank, 2, timeout=60)) == 2

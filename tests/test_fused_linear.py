@@ -228,6 +228,45 @@ def test_fused_bf16_cuda(variant):
                     tol=ns["BF16_TOL"])
 
 
+def _half_ulp_bf16(v: torch.Tensor) -> torch.Tensor:
+    """Half a bf16 unit in the last place of ``|v|`` (8 significant bits): the most that rounding
+    an exact value to bf16 can change it."""
+    mag = v.abs().clamp(min=2.0 ** -126)
+    return torch.exp2(torch.floor(torch.log2(mag)) - 8)
+
+
+@cuda
+@pytest.mark.parametrize("variant", list(_CUDA_CONFIGS))
+def test_fused_bf16_error_is_the_rounding_of_the_output(variant):
+    # The bf16 logits and logits gradients of the fused kernels differ from the fp32 reference by
+    # their one rounding to bf16 (half an ulp) plus the difference of two fp32 accumulations of
+    # the same K products in other orders, at most ~K * 2^-24 * sum_k |h_k w_k| (cancellation
+    # makes that large next to a small logit); for the gradient, scaled by the softmax. Every
+    # element, no outlier: a tile-edge bug (a wrong column, row or K slice) is far larger.
+    ns = _cuda_namespace()
+    fl, stats = ns["fl"], ns["stats"]
+    opts = _CUDA_CONFIGS[variant]
+    cfg = None if opts is None else fl.TileConfig(**opts)
+    torch.manual_seed(0)
+    spec = stats.LossSpec(20000, -100)
+    h, w, b, local_t, owned, valid = ns["inputs"](1000, 512, 5003, 2000, 20000, torch.bfloat16, "cuda", True)
+    x = ns["fp32_logits"](h, w, b)
+    accumulation = h.shape[1] * 2.0 ** -24 * ns["fp32_logits"](h.abs(), w.abs(), None)
+    _, logits = fl.linear_stats_keep(h, w, b, local_t, owned, spec, config=cfg)
+    err = (logits.float() - x).abs()
+    bound = _half_ulp_bf16(x) + accumulation
+    assert (err <= bound).all(), f"logits: {int((err > bound).sum())} elements over; worst {float((err / bound).max()):.3f}"
+    lse = torch.logsumexp(x, -1)
+    coefs = stats.loss_grad_coefs(lse, torch.zeros_like(lse), valid.float(), spec, valid)  # shift = lse: softmax
+    dref = stats.grad_logits(x, local_t, owned, lse, coefs, spec)
+    d = fl.linear_grad_logits(h, w, b, local_t, owned, lse, coefs, spec, config=cfg).float()
+    gerr = (d - dref).abs()
+    p = torch.exp(x - lse[:, None])  # the softmax: the part of the gradient that the logits' error moves
+    gbound = _half_ulp_bf16(dref) + 2 * accumulation * p + 1e-30
+    assert (gerr <= gbound).all(), (f"grad: {int((gerr > gbound).sum())} elements over; worst "
+                                     f"{float((gerr / gbound).max()):.3f}")
+
+
 # ------------------------------------------------------------------------------------------------
 # The schedules of linear_cross_entropy take these kernels wherever they recompute logits: the
 # vocab schedule's statistics (one fused GEMM over the whole shard) and every recomputed gradient

@@ -313,6 +313,10 @@ _TARGET_FACTS_CHECKS = textwrap.dedent(
         swapped[[0, n - 1]] = swapped[[n - 1, 0]]
         if n > 1 and int(t[0]) != int(t[-1]):  # a permutation changes the checksum
             assert target_facts(swapped.to(device), ignore)[2] != target_facts(t.to(device), ignore)[2], n
+    from vparallel_ce.kernels.targets import bits_sum
+    for n in (1, 4095, 65536, 65536 * 2 + 3):  # one word; a partial tile; one program; three
+        words = torch.randint(-(1 << 31), 1 << 31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+        assert int(bits_sum(words.to(device))) == int(words.sum(dtype=torch.int64)), n
     print("TARGET_FACTS_OK")
     """
 )
@@ -320,7 +324,8 @@ _TARGET_FACTS_CHECKS = textwrap.dedent(
 
 def test_target_facts_kernel_in_interpreter():
     # the front door's one launch: [min(0, lowest valid id), max(0, highest), sum_i (i+1) t_i mod 2^64]
-    # for ignored ids anywhere, one and several 2048-wide tiles, int64 and int32 targets
+    # for ignored ids anywhere, one and several 2048-wide tiles, int64 and int32 targets; and the
+    # hidden states' replication checksum (a sum of 32-bit words), across program boundaries
     proc = _run_interpreted(_TARGET_FACTS_CHECKS, "cpu")
     assert proc.returncode == 0 and "TARGET_FACTS_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
 

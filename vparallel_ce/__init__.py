@@ -18,6 +18,7 @@ from .linear import linear_cross_entropy
 from .logprobs import linear_token_logprobs, token_logprobs
 from .policy import ChunkPolicy, choose_chunks
 from .registry import LinearCrossEntropy, PlainCrossEntropy, VocabParallelCrossEntropy, build_loss_fn
+from .second_order import SecondDerivativeError
 from .validate import InvalidInputError
 from . import megatron, pipeline, policy  # noqa: E402  (submodules of the public API)
 
@@ -33,5 +34,6 @@ __all__ = [
     "ChunkPolicy",
     "choose_chunks",
     "InvalidInputError",
+    "SecondDerivativeError",
 ]
 __version__ = "0.1.0"

@@ -118,7 +118,8 @@ def logits_call(logits, target, *, op, group, vocab_size, reduction, chunks, che
 
 
 def linear_call(hidden, weight, target, bias, *, op, group, sequence_parallel, vocab_size, reduction, chunks, schedule,
-                recompute, policy, check, entropy=False, **loss_options) -> tuple[Call, LinearInputs]:
+                recompute, policy, check, check_replicated=True, entropy=False,
+                **loss_options) -> tuple[Call, LinearInputs]:
     """The front door of ops over hidden states and this rank's lm_head shard ``[V_local, H]``
     (options as in :func:`logits_call`)."""
     hidden, weight, target, bias, group, dt_vocab = _unwrap_linear(hidden, weight, target, bias, group,
@@ -127,7 +128,7 @@ def linear_call(hidden, weight, target, bias, *, op, group, sequence_parallel, v
     group = comm.resolve_group(group)
     amp = autocast_dtype(weight.device) if isinstance(weight, torch.Tensor) else None
     problem = check_options(reduction=reduction, chunks=chunks, schedule=schedule, recompute=recompute, policy=policy,
-                            **loss_options) or check_linear(hidden, weight, target, bias, autocast_dtype=amp)
+                            check_replicated=check_replicated, **loss_options) or check_linear(hidden, weight, target, bias, autocast_dtype=amp)
     sp = bool(sequence_parallel)
 
     fused = problem is None and kernels.fused_applies(weight.device, _matmul_dtype(weight, amp), entropy=entropy,
@@ -136,7 +137,7 @@ def linear_call(hidden, weight, target, bias, *, op, group, sequence_parallel, v
     def facts(target_checksum):  # made only for a group's exchange
         # replicated hidden states are checked to be so (with sequence parallelism each rank holds
         # its own tokens): a sum over [N, H] that rides on the exchange
-        replicated = bits_checksum(hidden) if check and not sp else 0
+        replicated = bits_checksum(hidden) if check and check_replicated and not sp else 0
         return Facts.of(op=op, sequence_parallel=sp, inputs=(hidden, weight, bias), target=target,
                         target_checksum=target_checksum, hidden_checksum=replicated, reduction=reduction,
                         chunks=chunks, schedule=schedule, recompute=recompute, fused=fused, policy=policy,

@@ -71,6 +71,7 @@ def linear_cross_entropy(
     recompute: bool | None = None,
     policy: _policy.ChunkPolicy | None = None,
     check: bool = True,
+    check_replicated: bool = True,
 ) -> torch.Tensor:
     r"""``cross_entropy(hidden @ weight.T + bias, target)`` with ``weight`` sharded along the vocab.
 
@@ -96,6 +97,11 @@ def linear_cross_entropy(
             for the backward (3 matmuls), several token chunks make the gradients in forward.
         policy: a :class:`vparallel_ce.policy.ChunkPolicy` (budget, microbatches in flight, ...).
             ``vparallel_ce.policy.explain`` with the same arguments prints the plan this call runs.
+        check_replicated: with ``check`` on a group and without ``sequence_parallel``, check that
+            ``hidden`` is the same on every rank (an integer sum of its bits rides on the call's
+            exchange: one read of ``hidden``). ``False`` skips it, for a caller whose hidden states
+            are known to differ on purpose (a pipeline's shape-inference call on uninitialised
+            outputs, whose result is discarded).
 
     Returns:
         fp32 loss (fp64 for fp64 inputs): scalar for mean/sum, per-token for none. Gradients, each in
@@ -104,8 +110,8 @@ def linear_cross_entropy(
     """
     call, inp = linear_call(hidden, weight, target, bias, op="linear_cross_entropy", group=group, sequence_parallel=sequence_parallel,
                             vocab_size=vocab_size, reduction=reduction, chunks=chunks, schedule=schedule,
-                            recompute=recompute, policy=policy, check=check, ignore_index=ignore_index,
-                            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+                            recompute=recompute, policy=policy, check=check, check_replicated=check_replicated,
+                            ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     out = _LinearCrossEntropy.apply(inp.h, inp.w, inp.b, inp.target, call)
     return out.reshape(inp.shape) if reduction == "none" else out
 

@@ -84,6 +84,7 @@ def linear_token_logprobs(
     chunks: int | str = "auto",
     policy: ChunkPolicy | None = None,
     check: bool = True,
+    check_replicated: bool = True,
 ):
     r""":func:`token_logprobs` of ``hidden @ weight.T + bias`` without materialising the
     ``[N, V_local]`` logits: the statistics pass of :func:`vparallel_ce.linear_cross_entropy` in
@@ -95,7 +96,7 @@ def linear_token_logprobs(
             this rank's tokens (``target`` is split like ``hidden``).
         temperature, ignore_index, with_entropy, check: as in :func:`token_logprobs`.
         chunks: token chunks (an int) or ``"auto"`` (the policy, which may walk vocab blocks).
-        policy: as in :func:`vparallel_ce.linear_cross_entropy`.
+        policy, check_replicated: as in :func:`vparallel_ce.linear_cross_entropy`.
 
     Returns:
         As :func:`token_logprobs`: fp32 (fp64 for fp64 inputs) per-token values of ``target``'s
@@ -104,8 +105,8 @@ def linear_token_logprobs(
     """
     call, inp = linear_call(hidden, weight, target, bias, op="linear_token_logprobs", group=group, sequence_parallel=sequence_parallel,
                             vocab_size=vocab_size, reduction="none", chunks=chunks, schedule="auto", recompute=None,
-                            policy=policy, check=check, entropy=with_entropy, ignore_index=ignore_index,
-                            temperature=temperature)
+                            policy=policy, check=check, check_replicated=check_replicated, entropy=with_entropy,
+                            ignore_index=ignore_index, temperature=temperature)
     logp, entropy = _LinearTokenLogprobs.apply(inp.h, inp.w, inp.b, inp.target, call)
     logp = logp.reshape(inp.shape)
     return (logp, entropy.reshape(inp.shape)) if with_entropy else logp

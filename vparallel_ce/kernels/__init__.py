@@ -19,7 +19,7 @@ import torch
 
 from .. import stats
 
-__all__ = ["ops_for", "fused_applies", "target_facts", "TORCH_OPS"]
+__all__ = ["ops_for", "fused_applies", "target_facts", "bits_sum", "TORCH_OPS"]
 
 TORCH_OPS = SimpleNamespace(name="torch", local_stats=stats.local_stats, grad_logits=stats.grad_logits,
                             loss_stats_grad_=stats.loss_stats_grad_, scale_rows=stats.scale_rows)
@@ -109,3 +109,13 @@ def target_facts(target, ignore_index: int):
     if not (target.is_cuda or interpreting()) or _modules() is None:
         return None
     return _MODULES[2].target_facts(target, ignore_index)
+
+
+def bits_sum(words):
+    """The Triton sum of a contiguous int32 CUDA tensor as int64 (:func:`.targets.bits_sum`), or
+    None where it does not apply: the caller then sums with torch."""
+    if os.environ.get("VPARALLEL_CE_KERNELS", "auto") == "torch" or not (words.is_cuda or interpreting()):
+        return None
+    if _modules() is None:
+        return None
+    return _MODULES[2].bits_sum(words)

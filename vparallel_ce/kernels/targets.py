@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["target_facts"]
+__all__ = ["target_facts", "bits_sum"]
 
 BLOCK = 2048
 
@@ -49,3 +49,29 @@ def target_facts(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     out = torch.empty(3, dtype=torch.int64, device=t.device)
     _facts_kernel[(1,)](t, t.numel(), ignore_index, out, BLOCK=BLOCK, num_warps=8)
     return out
+
+
+_WORDS = 4096  # int32 words per tile
+_TILES = 16  # tiles per program: 256 KiB a program
+
+
+@triton.jit
+def _bits_sum_kernel(X, N, OUT, BLOCK: tl.constexpr, TILES: tl.constexpr):
+    # a program's partial sum of its words, as int64 (integer sums are exact in any order)
+    acc = tl.zeros([BLOCK], dtype=tl.int64)
+    base = tl.program_id(0).to(tl.int64) * BLOCK * TILES
+    for i in range(TILES):
+        idx = base + i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(X + idx, mask=idx < N, other=0).to(tl.int64)
+    slot = tl.arange(0, 2)  # a vector store (see _facts_kernel)
+    tl.store(OUT + tl.program_id(0) + slot, tl.where(slot == 0, tl.sum(acc, axis=0), 0), mask=slot < 1)
+
+
+def bits_sum(words: torch.Tensor) -> torch.Tensor:
+    """The sum of a contiguous 1-D int32 tensor as int64 (0-dim, on its device), in one read at
+    memory speed (torch's integer sum with an int64 accumulator runs ~10x slower)."""
+    n = words.numel()
+    programs = triton.cdiv(n, _WORDS * _TILES)
+    out = torch.empty(programs, dtype=torch.int64, device=words.device)
+    _bits_sum_kernel[(programs,)](words, n, out, BLOCK=_WORDS, TILES=_TILES, num_warps=8)
+    return out.sum()
