@@ -29,7 +29,9 @@ from . import comm, kernels, policy as _policy
 from .layout import VocabLayout
 from .policy import Plan
 from .stats import LossSpec
-from .validate import Facts, agree, bits_checksum, check_linear, check_logits, check_options, DeferredTargetCheck
+from .validate import (
+    DeferredTargetCheck, Facts, agree, bits_checksum, check_linear, check_logits, check_options, replication_checked,
+)
 
 __all__ = ["Call", "LogitsInputs", "LinearInputs", "logits_call", "linear_call", "autocast_dtype", "autocast_off",
            "is_dtensor", "local"]
@@ -128,7 +130,8 @@ def linear_call(hidden, weight, target, bias, *, op, group, sequence_parallel, v
     group = comm.resolve_group(group)
     amp = autocast_dtype(weight.device) if isinstance(weight, torch.Tensor) else None
     problem = check_options(reduction=reduction, chunks=chunks, schedule=schedule, recompute=recompute, policy=policy,
-                            check_replicated=check_replicated, **loss_options) or check_linear(hidden, weight, target, bias, autocast_dtype=amp)
+                            check_replicated=check_replicated, **loss_options) or check_linear(
+        hidden, weight, target, bias, autocast_dtype=amp)
     sp = bool(sequence_parallel)
 
     fused = problem is None and kernels.fused_applies(weight.device, _matmul_dtype(weight, amp), entropy=entropy,
@@ -137,7 +140,7 @@ def linear_call(hidden, weight, target, bias, *, op, group, sequence_parallel, v
     def facts(target_checksum):  # made only for a group's exchange
         # replicated hidden states are checked to be so (with sequence parallelism each rank holds
         # its own tokens): a sum over [N, H] that rides on the exchange
-        replicated = bits_checksum(hidden) if check and check_replicated and not sp else 0
+        replicated = bits_checksum(hidden) if check and check_replicated and not sp and replication_checked() else 0
         return Facts.of(op=op, sequence_parallel=sp, inputs=(hidden, weight, bias), target=target,
                         target_checksum=target_checksum, hidden_checksum=replicated, reduction=reduction,
                         chunks=chunks, schedule=schedule, recompute=recompute, fused=fused, policy=policy,

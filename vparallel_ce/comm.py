@@ -25,7 +25,8 @@ import torch.distributed as dist
 
 __all__ = [
     "resolve_group", "world_size", "rank", "is_sharded", "backend", "all_reduce_max_", "all_reduce_sum_",
-    "broadcast_", "all_gather_ints", "all_gather_objects", "all_gather_rows", "all_gather_last_dim", "reduce_scatter_rows",
+    "broadcast_", "all_gather_ints", "all_gather_objects", "all_gather_rows", "all_gather_last_dim",
+    "reduce_scatter_rows",
 ]
 
 

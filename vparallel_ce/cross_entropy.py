@@ -66,7 +66,8 @@ def cross_entropy(
         gathered, soft-capped fp32 logits; the gradient of each rank's shard is that shard's slice
         of the gradient of that one loss, in the logits' dtype.
     """
-    call, inp = logits_call(logits, target, op="cross_entropy", group=group, vocab_size=vocab_size, reduction=reduction, chunks=chunks,
+    call, inp = logits_call(logits, target, op="cross_entropy",
+                            group=group, vocab_size=vocab_size, reduction=reduction, chunks=chunks,
                             check=check, policy=policy, ignore_index=ignore_index, label_smoothing=label_smoothing,
                             z_loss=z_loss, softcap=softcap)
     out = _CrossEntropy.apply(inp.x, inp.target, call)

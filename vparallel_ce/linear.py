@@ -108,7 +108,8 @@ def linear_cross_entropy(
         its input's dtype: ``weight.grad``/``bias.grad`` are this shard's; ``hidden.grad`` is the full
         gradient (summed over the group), or this rank's token rows of it with ``sequence_parallel``.
     """
-    call, inp = linear_call(hidden, weight, target, bias, op="linear_cross_entropy", group=group, sequence_parallel=sequence_parallel,
+    call, inp = linear_call(hidden, weight, target, bias, op="linear_cross_entropy",
+                            group=group, sequence_parallel=sequence_parallel,
                             vocab_size=vocab_size, reduction=reduction, chunks=chunks, schedule=schedule,
                             recompute=recompute, policy=policy, check=check, check_replicated=check_replicated,
                             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)

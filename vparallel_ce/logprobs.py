@@ -61,7 +61,8 @@ def token_logprobs(
         ``logprobs`` of ``target``'s shape, fp32 (fp64 for fp64 logits); with ``with_entropy`` the
         pair ``(logprobs, entropy)``. Equal to ``-cross_entropy(logits / T, target, reduction="none")``.
     """
-    call, inp = logits_call(logits, target, op="token_logprobs", group=group, vocab_size=vocab_size, reduction="none", chunks=chunks,
+    call, inp = logits_call(logits, target, op="token_logprobs",
+                            group=group, vocab_size=vocab_size, reduction="none", chunks=chunks,
                             check=check, policy=policy, entropy=with_entropy, ignore_index=ignore_index,
                             temperature=temperature)
     logp, entropy = _TokenLogprobs.apply(inp.x, inp.target, call)
@@ -103,7 +104,8 @@ def linear_token_logprobs(
         shape. Gradients: ``weight.grad``/``bias.grad`` this shard's, ``hidden.grad`` the full one
         (this rank's rows with ``sequence_parallel``), each in its input's dtype.
     """
-    call, inp = linear_call(hidden, weight, target, bias, op="linear_token_logprobs", group=group, sequence_parallel=sequence_parallel,
+    call, inp = linear_call(hidden, weight, target, bias, op="linear_token_logprobs",
+                            group=group, sequence_parallel=sequence_parallel,
                             vocab_size=vocab_size, reduction="none", chunks=chunks, schedule="auto", recompute=None,
                             policy=policy, check=check, check_replicated=check_replicated, entropy=with_entropy,
                             ignore_index=ignore_index, temperature=temperature)

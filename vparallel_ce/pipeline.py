@@ -48,6 +48,7 @@ from dataclasses import replace
 import torch
 
 from . import comm, policy as _policy
+from .validate import replication_unchecked
 from .call import local as _local
 from .cross_entropy import cross_entropy as _cross_entropy
 from .layout import shard_of
@@ -261,7 +262,10 @@ class PipelineLoss:
                 "n = count_valid_tokens(labels_of_the_whole_step, group=dp_group). A per-microbatch "
                 "mean would be wrong whenever microbatches hold different numbers of valid tokens."
             )
-        total = self.fn(output, target)
+        # the schedule's first step also calls the loss on uninitialised stage outputs (shape
+        # inference), which differ over the TP ranks: hidden states are not checked for replication
+        with replication_unchecked():
+            total = self.fn(output, target)
         if not isinstance(total, torch.Tensor) or total.dim() != 0:
             raise ValueError(f"PipelineLoss({self.name}): fn must return a 0-dim SUM loss tensor")
         n = torch.as_tensor(n, device=total.device)
@@ -330,10 +334,8 @@ class _LinearStageLoss:
     def __call__(self, output, target):
         if self.options["sequence_parallel"]:
             target = sequence_shard(output, target, group=self.options["group"], dim=self.sequence_dim)
-        # the schedule's first step also calls the loss on uninitialised stage outputs (shape
-        # inference), which differ over the TP ranks: hidden replication is not checked here
         return _linear_cross_entropy(output, self.get_weight(), target, self.get_bias(), reduction="sum",
-                                     policy=self.policy, check_replicated=False, **self.options)
+                                     policy=self.policy, **self.options)
 
 
 def sequence_shard(hidden, target, *, group, dim: int = 1):

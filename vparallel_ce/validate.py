@@ -12,6 +12,8 @@ once its forward's kernels are queued, before it returns anything.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import struct
 import zlib
@@ -150,7 +152,8 @@ def _check_target(target, token_shape, what: str, device) -> Problem | None:
     if not isinstance(target, torch.Tensor):
         return Problem(TypeError, f"target must be a tensor, got {type(target).__name__}")
     if target.dtype not in (torch.int64, torch.int32):
-        return Problem(TypeError, f"target must hold integer class ids (torch.int64 or torch.int32), got dtype {target.dtype}")
+        return Problem(TypeError, "target must hold integer class ids (torch.int64 or torch.int32), got dtype "
+                                  f"{target.dtype}")
     if tuple(target.shape) != tuple(token_shape):
         return Problem(ValueError, f"target shape {tuple(target.shape)} does not match {what} {tuple(token_shape)}")
     if target.device != device:
@@ -316,7 +319,8 @@ class Facts:
             OPS.index(op), int(bool(sequence_parallel)), _dtype_code(first.dtype),
             _dtype_code(None if weight is None else weight.dtype), _dtype_code(None if bias is None else bias.dtype),
             _dtype_code(target.dtype), -1 if weight is None else weight.shape[-1], grads, REDUCTIONS.index(reduction),
-            -1 if chunks == "auto" else int(chunks), SCHEDULES.index(schedule), {None: -1, False: 0, True: 1}[recompute],
+            -1 if chunks == "auto" else int(chunks), SCHEDULES.index(schedule),
+            {None: -1, False: 0, True: 1}[recompute],
             int(bool(fused)), int(ignore_index), _float_code(label_smoothing), _float_code(z_loss),
             _NO_SOFTCAP if softcap is None else _float_code(softcap), _float_code(temperature),
             _policy_code(policy), target.numel(), target_checksum, hidden_checksum)
@@ -367,16 +371,16 @@ def agree(
         problem: this rank's local input problem, or None.
         group: resolved ProcessGroup or None.
         local_size: this rank's vocab rows (called only when ``problem`` is None).
-        facts: makes this rank's :class:`Facts` from its target checksum -- only for an exchange (at world 1 they would be
-            host time before the first GEMM), and only when ``problem`` is None (a rank with bad
-            input sends zeros: the row has the same length either way).
+        facts: makes this rank's :class:`Facts` from its target checksum -- only for an exchange
+            (at world 1 they would be host time before the first GEMM), and only when ``problem``
+            is None (a rank with bad input sends zeros: the row has the same length either way).
         vocab_size: the global vocab size if the caller knows it (a DTensor does).
         check: exchange (one all-gather of a fixed number of int64s) and check. Needed anyway when
             ``vocab_size`` is unknown; skipped otherwise with ``check=False``, and then a problem
             raises locally.
-        target, ignore_index: the target (its checksum is compared); with ``check``, every valid id of every rank's ``target`` must lie in
-            ``[0, V)``: checked here on a group; at world 1 by the returned
-            :attr:`Agreement.pending`, which the op settles.
+        target, ignore_index: the target (its checksum is compared); with ``check``, every valid
+            id of every rank's ``target`` must lie in ``[0, V)``: checked here on a group; at world
+            1 by the returned :attr:`Agreement.pending`, which the op settles.
         policy: this rank's chunk policy, shown field by field if the ranks' policies differ.
     """
     world = comm.world_size(group)
@@ -442,7 +446,10 @@ def _check_facts(rows: list[list[int]], group, policy) -> None:
         hint = {
             "target_checksum": "every rank must pass the same target ids in the same order",
             "hidden_checksum": "hidden must be replicated over the group (the same values on every rank); a "
-                               "token-sharded hidden needs sequence_parallel=True",
+                               "token-sharded hidden needs sequence_parallel=True. Inside a "
+                               "torch.distributed.pipelining schedule wrap the loss in "
+                               "vparallel_ce.pipeline.PipelineLoss (its first step's shape inference passes "
+                               "uninitialised outputs), or pass check_replicated=False",
             "grads": "run the op with the same autograd state on every rank: its backward joins the ranks",
         }.get(f.name, "every rank of the group must pass the same tokens and options")
         raise InvalidInputError(f"ranks of the vocab-parallel group disagree on {f.name.replace('_', ' ')}: "
@@ -490,6 +497,27 @@ def _target_facts(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
 def _target_span(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """``[lo, hi]`` of :func:`_target_facts`."""
     return _target_facts(target, ignore_index)[:2]
+
+
+_REPLICATION_CHECKED = contextvars.ContextVar("vparallel_ce_replication_checked", default=True)
+
+
+@contextlib.contextmanager
+def replication_unchecked():
+    """Inside the block the linear ops do not check that ``hidden`` is replicated (as with
+    ``check_replicated=False``): what :class:`vparallel_ce.pipeline.PipelineLoss` wraps its loss in,
+    since a pipeline schedule's first step calls the loss on uninitialised stage outputs (shape
+    inference), which differ over the TP ranks and whose result is discarded."""
+    token = _REPLICATION_CHECKED.set(False)
+    try:
+        yield
+    finally:
+        _REPLICATION_CHECKED.reset(token)
+
+
+def replication_checked() -> bool:
+    """False inside :func:`replication_unchecked`."""
+    return _REPLICATION_CHECKED.get()
 
 
 def bits_checksum(x: torch.Tensor) -> torch.Tensor:
