@@ -5,7 +5,8 @@ Conventions for the docs (the fence's info string and an optional hidden setup):
 * ```python            -- run in this process, in a fresh namespace.
 * ```python dist       -- needs a process group: run on 1 and on 2 gloo ranks (spawned processes on
   loopback, ``tests/dist.py``). The namespace starts with ``tp_group`` (the group of all ranks),
-  ``tp`` (its size) and ``tp_rank`` (this rank).
+  ``tp`` (its size) and ``tp_rank`` (this rank), also named ``world_group``, ``world`` and ``rank``
+  for setups that use the ranks for something else (pipeline stages).
 * ```python signature  -- a call that spells out a public function's whole signature: it runs like
   ``python``, and every parameter of the called function must appear in the call, each keyword
   written as a literal with the function's default value.
@@ -15,7 +16,8 @@ Conventions for the docs (the fence's info string and an optional hidden setup):
   block's text up to whitespace (output lines may be wrapped in the doc).
 * ``<!-- setup: ... -->``, an HTML comment right before a block (blank lines between allowed),
   holds code run before that block, in its namespace: the variables the snippet takes as given.
-  GitHub does not render it.
+  The code starts on the line after ``setup:``; the rest of that line is a free description.
+  GitHub does not render the comment.
 
 Before the setup, every namespace has ``torch`` imported and the seed set to 0, so ranks build the
 same "full" tensors and cut their own shards from them. Test ids name the doc and the block's
@@ -43,7 +45,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FLAGS = {"dist", "signature", "no-run"}
 
 _FENCE = re.compile(r"^(?P<indent> *)```(?P<info>[^\n`]*)\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.S | re.M)
-_SETUP = re.compile(r"<!--\s*setup:?[ \t]*\n?(?P<code>(?:(?!-->).)*)-->\s*\Z", re.S)
+_SETUP = re.compile(r"<!--\s*setup:?[^\n]*\n(?P<code>(?:(?!-->).)*)-->\s*\Z", re.S)
 
 
 class Snippet:
@@ -116,7 +118,8 @@ def _run(setup: str, code: str, label: str, is_doctest: bool, ns: dict) -> dict:
 def _on_rank(rank: int, world: int, setup: str, code: str, label: str, is_doctest: bool):
     import torch.distributed as dist
 
-    ns = _namespace(tp_group=dist.group.WORLD, tp=world, tp_rank=rank)
+    group = dist.group.WORLD
+    ns = _namespace(tp_group=group, tp=world, tp_rank=rank, world_group=group, world=world, rank=rank)
     _run(setup, code, f"{label} rank {rank}/{world}", is_doctest, ns)
     dist.barrier()
     return True
@@ -197,4 +200,4 @@ def test_commands_in_docs_name_real_paths():
             mod = ROOT / m[1].replace(".", os.sep)
             if not (mod.with_suffix(".py").exists() or (mod / "__main__.py").exists()):
                 missing.append(f"{path.name}: python -m {m[1]}")
-    assert not missing, "docs name paths that do not exist:\n" + "\n".join(missing)
+    assert not missing, "docs name paths that do not exist:\n" + "\n".join(dict.fromkeys(missing))
