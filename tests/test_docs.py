@@ -23,7 +23,7 @@ Before the setup, every namespace has ``torch`` imported and the seed set to 0, 
 same "full" tensors and cut their own shards from them. Test ids name the doc and the block's
 ordinal among the doc's python blocks (``api.md:3``; ``-tp1`` / ``-tp2`` for dist blocks).
 
-Also checked: every ``launch/...`` path and ``python -m launch...`` module that the docs name exists.
+Also checked: every ``launch/...`` path, ``-m launch...`` module and relative link in the docs exists.
 """
 
 from __future__ import annotations
@@ -186,7 +186,8 @@ def test_every_block_follows_the_conventions():
 
 
 _LAUNCH_PATH = re.compile(r"(?<![\w/.])(launch/[\w./-]+\.(?:py|sh|sbatch|jsonl))")
-_LAUNCH_MODULE = re.compile(r"python3? -m (launch(?:\.\w+)+)")
+_LAUNCH_MODULE = re.compile(r"-m (launch(?:\.\w+)+)")
+_LINK = re.compile(r"\]\((?!https?:|#|mailto:)([^)#\s]+)")
 
 
 def test_commands_in_docs_name_real_paths():
@@ -199,5 +200,8 @@ def test_commands_in_docs_name_real_paths():
         for m in _LAUNCH_MODULE.finditer(text):
             mod = ROOT / m[1].replace(".", os.sep)
             if not (mod.with_suffix(".py").exists() or (mod / "__main__.py").exists()):
-                missing.append(f"{path.name}: python -m {m[1]}")
+                missing.append(f"{path.name}: -m {m[1]}")
+        for m in _LINK.finditer(text):
+            if not (path.parent / m[1]).exists():
+                missing.append(f"{path.name}: link {m[1]}")
     assert not missing, "docs name paths that do not exist:\n" + "\n".join(dict.fromkeys(missing))
