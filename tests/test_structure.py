@@ -71,3 +71,14 @@ def test_every_op_goes_through_the_front_door():
     for name in ("cross_entropy", "linear"):
         source = (PACKAGE / f"{name}.py").read_text()
         assert "_call(" in source and "agree(" not in source and "check_options(" not in source, name
+
+
+def test_the_module_map_in_the_design_doc_names_every_module():
+    design = (PACKAGE.parent / "docs" / "design.md").read_text()
+    block = design.split("## Module map", 1)[1].split("```")[1]
+    listed = {line.split()[0] for line in block.splitlines()[1:] if line.strip()}
+    modules = {path.name if path.parent == PACKAGE else f"{path.parent.name}/" for path in PACKAGE.glob("*/*.py")}
+    modules |= {path.name for path in PACKAGE.glob("*.py") if path.name != "__init__.py"}
+    modules |= {path.name for path in (PACKAGE / "kernels").glob("*.py") if path.name != "__init__.py"}
+    missing = sorted(m for m in modules if m not in listed)
+    assert not missing, f"docs/design.md's module map lacks {missing}"

@@ -182,9 +182,8 @@ _CUDA_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
 def _grad_in_place(ops, x, local_t, owned, shift, coefs, spec):
     """``grad_logits`` of a block's logits that this op owns (a temporary of ``F.linear``): written
     over them when the implementation can (one block-sized buffer less, no extra allocation)."""
-    in_place = getattr(ops, "grad_logits_", None)
-    if in_place is not None:
-        return in_place(x, local_t, owned, shift, coefs, spec)
+    if ops.grad_logits_ is not None:
+        return ops.grad_logits_(x, local_t, owned, shift, coefs, spec)
     return ops.grad_logits(x, local_t, owned, shift, coefs, spec)
 
 
@@ -322,8 +321,7 @@ class Schedule:
         """Whether the lm_head GEMM runs fused with the row passes (:mod:`vparallel_ce.kernels.fused_linear`)
         wherever logits are recomputed: their statistics or their gradient straight from the GEMM's
         epilogue, the logits never written."""
-        covers = getattr(ops, "fused_covers", None)
-        return covers is not None and covers(h_c, w, call.spec)
+        return ops.fused is not None and ops.fused.covers(h_c, w, call.spec)
 
     def statistics(self, call: Call, ops, h_c, w, b, targets: "ChunkTargets"):
         """Global statistics of chunk ``c``'s rows ``h_c``: local statistics block by block, merged,
@@ -333,7 +331,7 @@ class Schedule:
         is queued before the targets' small kernels, whose launches then overlap it."""
         if not self.keep_logits and self.fused(ops, call, h_c, w):
             local_t, owned, _ = targets()
-            return combine(ops.linear_stats(h_c, w, b, local_t, owned, call.spec), call.layout), []
+            return combine(ops.fused.stats(h_c, w, b, local_t, owned, call.spec), call.layout), []
         acc, kept = None, []
         for blk in self.blocks:
             x = F.linear(h_c, _part(w, blk), None if b is None else _part(b, blk))
@@ -358,7 +356,7 @@ class Schedule:
         # (kept logits used up) must recompute the same bf16 logits, not the fp32 accumulator's.
         fused = not kept and not call.plan.keep_logits and self.fused(ops, call, h_c, w)
         if fused:  # the chunk's kernel arguments made once, not per block
-            grad_of = ops.linear_grad_logits_for(h_c, local_t, owned, shift, coefs, call.spec)
+            grad_of = ops.fused.grad_logits_for(h_c, local_t, owned, shift, coefs, call.spec)
         for i, blk in enumerate(self.blocks):
             if blk.stop == blk.start:
                 continue

@@ -16,7 +16,6 @@ to (gradients made in forward).
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
 
 import torch
 
@@ -38,11 +37,15 @@ class _Refuse(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *_):
-        raise SecondDerivativeError(
-            f"vparallel_ce.{ctx.op} has no second derivative: its backward is a hand-written first derivative, so "
-            "differentiating a gradient made with create_graph=True through it (a Hessian-vector product, a gradient "
-            "penalty) is not supported"
-        )
+        raise _refusal(ctx.op)
+
+
+def _refusal(op: str) -> SecondDerivativeError:
+    return SecondDerivativeError(
+        f"vparallel_ce.{op} has no second derivative: its backward is a hand-written first derivative, so "
+        "differentiating a gradient made with create_graph=True through it (a Hessian-vector product, a gradient "
+        "penalty) is not supported"
+    )
 
 
 def first_order_only(op: str):
@@ -63,7 +66,7 @@ def first_order_only(op: str):
             # second derivative with respect to them reaches it); a fresh leaf where there are none
             anchors = [t for t in ctx.saved_tensors if t is not None and t.requires_grad]
             if not anchors:  # nothing to tie the node to (gradients made in forward): refuse now
-                _Refuse.backward(SimpleNamespace(op=op))
+                raise _refusal(op)
             refused = iter(_Refuse.apply(op, len(anchors), *anchors, *tensors))
             return tuple(next(refused) if isinstance(g, torch.Tensor) else g for g in grads)
 

@@ -1,11 +1,12 @@
 """Implementations of the two per-chunk steps of :mod:`vparallel_ce.stats`.
 
-``ops_for(tensor)`` returns an object with ``local_stats``, ``grad_logits``, ``loss_stats_grad_``
-and ``scale_rows`` of exactly the signatures in :mod:`vparallel_ce.stats`. The torch versions there
-are the reference and the CPU path; fused CUDA kernels (Triton) replace them on GPU when available.
-The Triton ops also carry ``linear_stats`` / ``linear_grad_logits_for`` (:mod:`.fused_linear`: the
-lm_head GEMM with either step in its epilogue), which ``linear_cross_entropy`` uses wherever it
-would recompute logits, where ``fused_covers(h, w, spec)`` is true. Set
+``ops_for(tensor)`` returns a :class:`KernelBackend`: ``local_stats``, ``grad_logits``,
+``loss_stats_grad_`` and ``scale_rows`` of exactly the signatures in :mod:`vparallel_ce.stats`. The
+torch versions there are the reference and the CPU path; Triton kernels replace them on GPU when
+available. The Triton backend also has ``grad_logits_`` (written over logits the op owns) and, as
+``fused`` (:class:`FusedLinear`, :mod:`.fused_linear`), the lm_head GEMM with either step in its
+epilogue, which ``linear_cross_entropy`` uses wherever it would recompute logits, where
+``fused.covers(h, w, spec)`` is true. Set
 ``VPARALLEL_CE_KERNELS=torch`` to force the reference path, ``VPARALLEL_CE_FUSED=0`` to keep
 cuBLAS + the row passes.
 """
@@ -13,16 +14,44 @@ cuBLAS + the row passes.
 from __future__ import annotations
 
 import os
-from types import SimpleNamespace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
 from .. import stats
 
-__all__ = ["ops_for", "fused_applies", "target_facts", "bits_sum", "TORCH_OPS"]
+__all__ = ["KernelBackend", "FusedLinear", "ops_for", "fused_applies", "target_facts", "bits_sum", "TORCH_OPS"]
 
-TORCH_OPS = SimpleNamespace(name="torch", local_stats=stats.local_stats, grad_logits=stats.grad_logits,
-                            loss_stats_grad_=stats.loss_stats_grad_, scale_rows=stats.scale_rows)
+
+@dataclass(frozen=True)
+class FusedLinear:
+    """The lm_head GEMM fused with a row pass (:mod:`.fused_linear`): ``covers(h, w, spec)`` says
+    where it takes the inputs; ``stats(h, w, b, local_t, owned, spec)`` is the statistics of the
+    logits ``h w^T + b`` (never written); ``grad_logits_for(h, local_t, owned, shift, coefs,
+    spec)`` makes a chunk's ``(w_block, b_block, col_offset) -> dx`` of recomputed logits."""
+
+    covers: Callable
+    stats: Callable
+    grad_logits_for: Callable
+
+
+@dataclass
+class KernelBackend:
+    """One implementation of the per-chunk steps, chosen once per call (:func:`ops_for`), with what
+    it can do as fields. ``grad_logits_``: the gradient written over logits the op owns (None:
+    out of place); ``fused``: the lm_head GEMM fused with the row passes (None: cuBLAS + them)."""
+
+    name: str
+    local_stats: Callable
+    grad_logits: Callable
+    loss_stats_grad_: Callable
+    scale_rows: Callable
+    grad_logits_: Callable | None = None
+    fused: FusedLinear | None = None
+
+
+TORCH_OPS = KernelBackend("torch", stats.local_stats, stats.grad_logits, stats.loss_stats_grad_, stats.scale_rows)
 
 
 def interpreting() -> bool:
@@ -58,8 +87,7 @@ def _triton_ops(fused: bool):
     key = (fused_linear.schedule_covers, fused_linear.linear_stats, fused_linear.GradLogits)
     if _FUSED_OPS.get("key") != key:
         _FUSED_OPS["key"] = key
-        _FUSED_OPS["ops"] = SimpleNamespace(**{**vars(triton_ce.OPS), "name": "triton+fused"}, fused_covers=key[0],
-                                            linear_stats=key[1], linear_grad_logits_for=key[2])
+        _FUSED_OPS["ops"] = replace(triton_ce.OPS, name="triton+fused", fused=FusedLinear(*key))
     return _FUSED_OPS["ops"]
 
 

@@ -20,14 +20,12 @@ tensors outside the Triton interpreter) fall back to the torch versions.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import triton
 import triton.language as tl
 
 from .. import stats
-from . import interpreting
+from . import KernelBackend, interpreting
 
 __all__ = ["OPS", "local_stats", "grad_logits", "grad_logits_", "loss_stats_grad_", "scale_rows"]
 
@@ -350,5 +348,4 @@ def scale_rows(x: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = None
     return out
 
 
-OPS = SimpleNamespace(name="triton", local_stats=local_stats, grad_logits=grad_logits, grad_logits_=grad_logits_,
-                      loss_stats_grad_=loss_stats_grad_, scale_rows=scale_rows)
+OPS = KernelBackend("triton", local_stats, grad_logits, loss_stats_grad_, scale_rows, grad_logits_=grad_logits_)
