@@ -1,4 +1,4 @@
-"""Specification of ``vparallel_ce.token_logprobs`` and ``vparallel_ce.linear_token_logprobs`` (issue 13).
+"""Specification of ``vparallel_ce.token_logprobs`` and ``vparallel_ce.linear_token_logprobs``.
 
 Per token, with ``z`` the full (gathered) logits and ``T`` the temperature::
 

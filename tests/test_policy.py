@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import vparallel_ce
-from vparallel_ce.policy import GiB, ChunkPolicy, choose_chunks, choose_plan, explain
+from vparallel_ce.policy import GiB, ChunkPolicy, GradMode, choose_chunks, choose_plan, explain
 
 LLAMA3_V = 128256
 TOKENS = [1, 7, 512, 1024, 4096, 8192, 65536]
@@ -64,7 +64,7 @@ def test_linear_plan_prefers_the_vocab_schedule_when_the_fp32_accumulator_exceed
     lean = choose_plan(8192, LLAMA3_V, 1, hidden_size=4096)  # 2 GiB accumulator > 1 GiB default budget
     assert lean.schedule == "vocab" and lean.chunks >= 2 and not lean.grad_in_forward
     fast = choose_plan(8192, LLAMA3_V, 8, hidden_size=4096)  # fits in one chunk: 3 matmuls
-    assert fast == type(fast)("token", 1, False, True)  # logits kept for the backward
+    assert fast == type(fast)("token", 1, GradMode.FROM_KEPT_LOGITS)  # logits kept for the backward
     none = choose_plan(8192, LLAMA3_V, 8, hidden_size=4096, reduction="none")
     assert not none.grad_in_forward and none.keep_logits  # per-token losses: the same 3 matmuls
 
@@ -170,7 +170,7 @@ def test_the_memory_model_matches_every_point_measured_on_the_h200():
     import json
     from pathlib import Path
 
-    from vparallel_ce.policy import Plan, peak_bytes
+    from vparallel_ce.policy import GradMode, Plan, peak_bytes
 
     rows = [json.loads(line) for line in
             (Path(__file__).resolve().parent / "fixtures" / "loss_h200_all_plans.jsonl").read_text().splitlines()]
@@ -180,7 +180,8 @@ def test_the_memory_model_matches_every_point_measured_on_the_h200():
             continue
         schedule, rest = r["plan"].split("x")
         n, h, v = _BENCH_SHAPES[r["shape"]]
-        model = peak_bytes(Plan(schedule, int(rest.split("/")[0]), rest.endswith("fwd")), n, v, hidden_size=h) / GiB
+        model = peak_bytes(Plan(schedule, int(rest.split("/")[0]), GradMode.IN_FORWARD if rest.endswith("fwd")
+                                else GradMode.RECOMPUTE), n, v, hidden_size=h) / GiB
         assert abs(model / r["peak_gib"] - 1) < 0.01, (r["shape"], r["method"], r["plan"], model, r["peak_gib"])
         checked += 1
     assert checked >= 40

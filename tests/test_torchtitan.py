@@ -50,7 +50,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means: cannot run to
 needs_titan = pytest.mark.skipif(
     TITAN_ERROR is not None,
     reason=f"torchtitan cannot be imported ({TITAN_ERROR}); pip install 'vparallel_ce[torchtitan]' "
-           "(the test extra includes it)",
+           "(CI installs it; without it these tests skip)",
 )
 
 

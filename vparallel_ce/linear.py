@@ -33,13 +33,14 @@ parallelism, DTensor weight ``Shard(0)`` / hidden, ``torch.compile`` (graph brea
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+import enum
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from . import comm, kernels, policy as _policy
+from .policy import GradMode
 from .second_order import first_order_only
 from .call import Call, autocast_off, linear_call
 from .layout import aligned_parts, vocab_blocks
@@ -48,8 +49,8 @@ from .stats import (
     token_slices, unit_loss_coefs,
 )
 
-__all__ = ["linear_cross_entropy", "Schedule", "Rows", "ChunkTargets", "Grads", "matmul_inputs", "take_kept",
-           "grads_from_unit_dx"]
+__all__ = ["linear_cross_entropy", "Schedule", "Rows", "ChunkTargets", "Grads", "Backward", "KeptLogits",
+           "ChunkSaved", "Saved", "matmul_inputs", "grads_from_unit_dx"]
 
 
 def linear_cross_entropy(
@@ -385,41 +386,119 @@ def matmul_inputs(call: Call, h, w, b):
     return cast(h), cast(w), cast(b)
 
 
+class Backward(enum.Enum):
+    """What a forward of :class:`_LinearCrossEntropy` leaves its backward, from the plan's
+    :class:`~vparallel_ce.policy.GradMode` and the inputs that need a gradient."""
+
+    #: ``GradMode.IN_FORWARD``: the gradients for an upstream gradient of 1; backward scales them
+    SCALE = enum.auto()
+    #: ``GradMode.FROM_KEPT_LOGITS`` on a rank holding the whole vocab (one chunk, one block): the
+    #: kept logits were overwritten with their gradient for 1 by the statistics' kernel
+    #: (:meth:`Schedule.grad_with_statistics`); backward scales the ``[N, H]`` side
+    UNIT_LOGITS = enum.auto()
+    #: ``GradMode.FROM_KEPT_LOGITS``: the gradient pass runs over the kept logits
+    KEPT_LOGITS = enum.auto()
+    #: ``GradMode.RECOMPUTE`` (or no input needs a gradient): the gradient pass recomputes them
+    RECOMPUTE = enum.auto()
+
+    @classmethod
+    def of(cls, call: Call, need, b, schedule: "Schedule") -> "Backward":
+        """``schedule``: the forward's (it keeps the logits unless this is ``RECOMPUTE``)."""
+        if not any(need):
+            return cls.RECOMPUTE
+        if call.plan.grad_mode is GradMode.IN_FORWARD:
+            return cls.SCALE
+        if not Schedule.keeps_for_backward(call, need):
+            return cls.RECOMPUTE
+        return cls.UNIT_LOGITS if schedule.grad_with_statistics(call, b) else cls.KEPT_LOGITS
+
+    @staticmethod
+    def keeps_logits(call: Call, need) -> bool:
+        """Whether the forward's schedule keeps its logits (for gradients in forward or backward)."""
+        return any(need) and (call.plan.grad_mode is GradMode.IN_FORWARD or Schedule.keeps_for_backward(call, need))
+
+
+class KeptLogits:
+    """The logits a forward kept for its backward (per chunk, its blocks), handed over once: the
+    gradient step writes over them, so a second backward of the same graph (zero-bubble pipeline
+    schedules run the input and the weight pass separately) finds none and recomputes."""
+
+    def __init__(self):
+        self._chunks: list = []
+
+    def add(self, blocks: list) -> None:
+        self._chunks.append(blocks)
+
+    def take(self) -> list:
+        chunks, self._chunks = self._chunks, []
+        return chunks
+
+
+@dataclass
+class ChunkSaved:
+    """What the backward needs of one token chunk: the global max ``shift`` and the loss' unit
+    coefficients (:func:`~vparallel_ce.stats.unit_loss_coefs`) of its rows, and the forward's
+    target maps ``(t_c, local_t, owned, valid)``. Under ``Backward.UNIT_LOGITS`` the coefficients
+    are made only if a second backward recomputes (:meth:`coefs_for`), from ``unit``."""
+
+    shift: torch.Tensor
+    coefs: GradCoefs | None = None
+    targets: tuple | None = None
+    unit: tuple | None = None  # (statistics, t_c, n_valid)
+
+    def coefs_for(self, call: Call) -> GradCoefs:
+        if self.coefs is None:
+            st, t_c, n_valid = self.unit
+            valid = t_c != call.spec.ignore_index
+            self.coefs = unit_loss_coefs(combine(st, call.layout), valid, n_valid, call.reduction, call.spec)
+        return self.coefs
+
+
+@dataclass
+class Saved:
+    """A forward's state for its backward (beside ``ctx.saved_tensors``: ``(h, w, b, t)``, or under
+    ``Backward.SCALE`` the gradients for 1)."""
+
+    call: Call
+    mode: Backward
+    need: tuple[bool, bool, bool]
+    chunks: list[ChunkSaved] = field(default_factory=list)
+    kept: KeptLogits = field(default_factory=KeptLogits)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
-    """Thin autograd wrapper: forward and backward walk the same :class:`Schedule`. Autocast is off
-    inside; the matmul dtype comes from the :class:`Call`. The forward makes each chunk's gradient
+    """Thin autograd wrapper: forward and backward walk the same :class:`Schedule`; what the
+    forward leaves is a :class:`Saved` of one :class:`Backward` mode. Autocast is off inside; the
+    matmul dtype comes from the :class:`Call`. The forward makes each chunk's gradient
     coefficients for an upstream gradient of 1 (:func:`~vparallel_ce.stats.unit_loss_coefs`); the
-    backward scales them, or, with the gradients made in forward, the gradients."""
+    backward scales them, or the gradients made from them."""
 
     @staticmethod
     def forward(ctx, h, w, b, t, call: Call):
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
-        grads_now = call.plan.grad_in_forward and any(need)
-        keep = not grads_now and Schedule.keeps_for_backward(call, need)
         with autocast_off(h.device.type):
             spec = call.spec
             hm, wm, bm = matmul_inputs(call, h, w, b)
             ops = kernels.ops_for(wm)
-            sched = Schedule.of(call, keep_logits=grads_now or keep)
+            sched = Schedule.of(call, keep_logits=Backward.keeps_logits(call, need))
+            saved = Saved(call, Backward.of(call, need, b, sched), need)
+            mode = saved.mode
             rows = sched.rows(call)
-            cdt = compute_dtype(wm.dtype)
-            grads = Grads(h, w, b, need, acc_dtype=cdt, rows=rows, schedule=sched) if grads_now else None
+            grads = None
+            if mode is Backward.SCALE:
+                grads = Grads(h, w, b, need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)
             n_valid, per_token = None, []
-            ctx.kept, ctx.targets, ctx.shift, ctx.coefs = [], [], [], []
-            unit_dx = keep and sched.grad_with_statistics(call, b)
             for c, h_c, t_c, targets in sched.walk(call, rows, hm, t):
-                if unit_dx:
+                if mode is Backward.UNIT_LOGITS:
                     # one kernel makes the chunk's target maps, statistics, loss, and the kept
                     # logits' gradient for 1 over them: besides it, the valid count (mean) and the sum
                     x = F.linear(h_c, wm, bm)
                     n_valid = _valid_count(t, call) if call.reduction == "mean" else None
                     st, loss_c = ops.loss_stats_grad_(x, t_c, n_valid, call.reduction, spec)
                     per_token.append(loss_c)
-                    ctx.kept.append([x])
-                    ctx.shift.append(st.max)
-                    # made only if a second backward of this graph recomputes (no kernels launched
-                    # now); its walk then makes the target maps again
-                    ctx.coefs.append(functools.partial(_unit_coefs, call, st, t_c, n_valid))
+                    saved.kept.add([x])
+                    # no kernels for the coefficients now; a recomputing walk makes the target maps again
+                    saved.chunks.append(ChunkSaved(st.max, unit=(st, t_c, n_valid)))
                     continue
                 st, kept = sched.statistics(call, ops, h_c, wm, bm, targets)
                 local_t, owned, valid = targets()
@@ -428,18 +507,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     n_valid = _valid_count(t, call, valid if whole else None)
                 coefs = unit_loss_coefs(st, valid, n_valid, call.reduction, spec)
                 per_token.append(_keep(rows, c, token_loss(st, valid, spec), call.reduction))
-                if grads is not None:
+                if mode is Backward.SCALE:
                     sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, st.max, coefs, kept, grads)
-                else:
-                    ctx.targets.append((t_c, local_t, owned, valid))
-                    ctx.shift.append(st.max)
-                    ctx.coefs.append(coefs)
-                    if keep:
-                        ctx.kept.append(kept)
+                    continue
+                saved.chunks.append(ChunkSaved(st.max, coefs, (t_c, local_t, owned, valid)))
+                if mode is Backward.KEPT_LOGITS:
+                    saved.kept.add(kept)
             if n_valid is None and call.reduction == "mean":
                 n_valid = _valid_count(t, call)
-            ctx.call, ctx.need, ctx.grads_now, ctx.unit_dx = call, need, grads is not None, unit_dx
-            if grads is not None:  # only [N, H] / [V_loc, H] gradients are kept, no logits
+            ctx.saved = saved
+            if mode is Backward.SCALE:  # only [N, H] / [V_loc, H] gradients are kept, no logits
                 ctx.save_for_backward(*grads.finish(rows))
             else:
                 ctx.save_for_backward(h, w, b, t)
@@ -450,28 +527,29 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @first_order_only("linear_cross_entropy")
     def backward(ctx, grad_out):
-        call = ctx.call
-        if ctx.grads_now:  # made in forward for grad_out == 1: scale by the scalar
+        saved: Saved = ctx.saved
+        call = saved.call
+        if saved.mode is Backward.SCALE:  # made in forward for grad_out == 1: scale by the scalar
             grads = tuple(None if g is None else g * grad_out.to(g.dtype) for g in ctx.saved_tensors)
             return grads + (None, None)
         h, w, b, t = ctx.saved_tensors
         with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
             ops = kernels.ops_for(wm)
-            kept_chunks = take_kept(ctx)
-            if ctx.unit_dx and kept_chunks:
+            kept_chunks = saved.kept.take()  # empty on a second backward of the graph: it recomputes
+            if saved.mode is Backward.UNIT_LOGITS and kept_chunks:
                 g = grad_out.reshape(-1) if call.reduction == "none" else grad_out
-                return grads_from_unit_dx(ops, kept_chunks[0][0], h, w, b, hm, wm, g, ctx.need) + (None, None)
+                return grads_from_unit_dx(ops, kept_chunks[0][0], h, w, b, hm, wm, g, saved.need) + (None, None)
             sched = Schedule.of(call, keep_logits=False)
             rows = sched.rows(call)
-            grads = Grads(h, w, b, ctx.need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)
-            for c, h_c, t_c, targets in sched.walk(call, rows, hm, t, ctx.targets):
+            grads = Grads(h, w, b, saved.need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)
+            known = [chunk.targets for chunk in saved.chunks] if saved.mode is not Backward.UNIT_LOGITS else None
+            for c, h_c, t_c, targets in sched.walk(call, rows, hm, t, known):
                 local_t, owned, _ = targets()
                 g = rows.gather(c, grad_out.reshape(-1)) if call.reduction == "none" else grad_out
-                coefs = ctx.coefs[c]
-                coefs = coefs() if callable(coefs) else coefs
-                sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, ctx.shift[c],
-                                scale_coefs(coefs, g), kept_chunks[c] if kept_chunks else [], grads)
+                chunk = saved.chunks[c]
+                sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, chunk.shift,
+                                scale_coefs(chunk.coefs_for(call), g), kept_chunks[c] if kept_chunks else [], grads)
             return grads.finish(rows) + (None, None)
 
 
@@ -500,21 +578,6 @@ def grads_from_unit_dx(ops, dx, h, w, b, hm, wm, g, need) -> tuple:
     if need_b and b is not None:  # a scalar g: a bias with reduction="none" does not take this path
         db = (dx.sum(0, dtype=compute_dtype(dx.dtype)) * g.to(compute_dtype(dx.dtype))).to(b.dtype)
     return dh, dw, db
-
-
-def _unit_coefs(call: Call, st, t_c: torch.Tensor, n_valid) -> GradCoefs:
-    """The unit :class:`~vparallel_ce.stats.GradCoefs` of a chunk whose gradient the statistics'
-    kernel made (:meth:`Schedule.grad_with_statistics`), for a second backward that recomputes."""
-    valid = t_c != call.spec.ignore_index
-    return unit_loss_coefs(combine(st, call.layout), valid, n_valid, call.reduction, call.spec)
-
-
-def take_kept(ctx) -> list:
-    """The logits the forward kept for this backward, handed over once: the gradient step writes
-    over them, so a second backward of the same graph (zero-bubble pipeline schedules run the
-    input and the weight pass separately) finds none and recomputes."""
-    kept, ctx.kept = getattr(ctx, "kept", None) or [], []
-    return kept
 
 
 def _keep(rows: Rows, c: int, per_token: torch.Tensor, reduction: str) -> torch.Tensor:

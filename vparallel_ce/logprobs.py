@@ -26,7 +26,7 @@ from . import kernels
 from .second_order import first_order_only
 from .call import Call, autocast_off, linear_call, logits_call
 from .cross_entropy import logits_gradient, logits_statistics
-from .linear import Grads, Schedule, matmul_inputs, take_kept
+from .linear import Grads, KeptLogits, Schedule, matmul_inputs
 from .policy import ChunkPolicy
 from .stats import compute_dtype, logprob_grad_coefs
 
@@ -169,12 +169,12 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             keep = Schedule.keeps_for_backward(call, need)
             sched = Schedule.of(call, keep_logits=keep)
             rows = sched.rows(call)
-            shift, entropy, mine, ctx.kept = [], [], [], []
+            shift, entropy, mine, ctx.kept = [], [], [], KeptLogits()
             for c, h_c, t_c, targets in sched.walk(call, rows, hm, t):
                 st, kept = sched.statistics(call, ops, h_c, wm, bm, targets)
                 valid = targets()[2]
                 if keep:
-                    ctx.kept.append(kept)
+                    ctx.kept.add(kept)
                 logp_c, entropy_c = _outputs(st, valid)
                 shift.append(torch.stack([st.max, st.log_s]))
                 entropy.append(entropy_c)
@@ -208,7 +208,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             sched = Schedule.of(call, keep_logits=False)
             rows = sched.rows(call)
             grads = Grads(h, w, b, need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)
-            kept_chunks = take_kept(ctx)
+            kept_chunks = ctx.kept.take()
             at = 0
             for c, h_c, t_c, targets in sched.walk(call, rows, hm, t):
                 local_t, owned, valid = targets()

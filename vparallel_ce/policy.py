@@ -36,6 +36,7 @@ defaults.
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from dataclasses import dataclass, field, replace
@@ -44,7 +45,7 @@ import torch
 
 from .layout import aligned_parts, vocab_blocks
 
-__all__ = ["ChunkPolicy", "Plan", "choose_chunks", "choose_plan", "explain", "peak_bytes", "DEFAULT_POLICY"]
+__all__ = ["ChunkPolicy", "GradMode", "Plan", "choose_chunks", "choose_plan", "explain", "peak_bytes", "DEFAULT_POLICY"]
 
 GiB = 1024**3
 
@@ -53,16 +54,34 @@ GiB = 1024**3
 class Plan:
     """What an op will do: ``schedule`` is ``"token"`` (chunks of tokens) or ``"vocab"`` (blocks of
     the local vocab, linear op only); ``chunks`` counts the token chunks or vocab blocks the call
-    will run; ``grad_in_forward`` whether mean/sum gradients are made in forward; ``keep_logits``
-    whether, without them, the one token chunk's logits are kept from forward for the backward (3
-    matmuls instead of recomputing them). ``why`` gives the reason for each choice (not part of
-    equality)."""
+    will run; ``grad_mode`` where the gradients are made. ``why`` gives the reason for each choice
+    (not part of equality)."""
 
     schedule: str
     chunks: int
-    grad_in_forward: bool
-    keep_logits: bool = False
+    grad_mode: "GradMode"
     why: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def grad_in_forward(self) -> bool:
+        return self.grad_mode is GradMode.IN_FORWARD
+
+    @property
+    def keep_logits(self) -> bool:
+        return self.grad_mode is GradMode.FROM_KEPT_LOGITS
+
+
+class GradMode(enum.Enum):
+    """Where a plan makes the gradients (the value is how ``explain`` says it)."""
+
+    #: mean/sum with token chunks: the forward makes dW/dh (+db) for an upstream gradient of 1 and
+    #: keeps only them; the backward scales them (3 matmuls; dW summed over the chunks in fp32)
+    IN_FORWARD = "made in forward"
+    #: one token chunk: its logits are kept from forward and the backward makes the gradients
+    #: from them (3 matmuls)
+    FROM_KEPT_LOGITS = "made in backward from the kept logits"
+    #: the backward recomputes each chunk's (or block's) logits (4 matmuls, flat forward memory)
+    RECOMPUTE = "recomputed in backward"
 
 
 @dataclass(frozen=True)
@@ -162,7 +181,7 @@ class ChunkPolicy:
         if hidden_size is None:
             k = self.chunks(num_tokens, vocab_size, tp_degree) if chunks == "auto" else int(chunks)
             why.append(_budget_reason(self, num_tokens, v_loc, k) if chunks == "auto" else f"chunks={k} as given")
-            return Plan("token", _token_chunks(k, num_tokens), False, why=tuple(why))
+            return Plan("token", _token_chunks(k, num_tokens), GradMode.RECOMPUTE, why=tuple(why))
         k0 = min(self.chunks(num_tokens, vocab_size, tp_degree), max(v_loc, 1))
         sized = False  # whether a reason for the count is given yet
         k_fit = None  # the count a memory target chose
@@ -188,7 +207,7 @@ class ChunkPolicy:
             elif fused:
                 # fused, the vocab schedule's statistics pass writes no logits and its gradient pass
                 # none but one dx block: memory at the floor at about the time of token chunks
-                # (docs/benchmarks.md run 5: odd vocab vocab x8 6.5 ms / 0.22 GiB, token x3 7.4 / 0.48)
+                # (measured on an H200 at the odd vocab: vocab x8 6.5 ms / 0.22 GiB, token x3 7.4 / 0.48)
                 schedule = "vocab"
                 why.append(_budget_reason(self, num_tokens, v_loc, k0) + "; so vocab blocks, whose logits the fused "
                            "GEMM kernels never write (dW of each block from one matmul)")
@@ -244,7 +263,8 @@ class ChunkPolicy:
         else:
             gif = False
             why.append("vocab blocks recompute their logits in backward (memory at the floor)")
-        return Plan(schedule, k, gif, keep, tuple(why))
+        mode = GradMode.IN_FORWARD if gif else GradMode.FROM_KEPT_LOGITS if keep else GradMode.RECOMPUTE
+        return Plan(schedule, k, mode, tuple(why))
 
     def _fit_memory(self, num_tokens: int, vocab_size: int, tp_degree: int, hidden_size: int):
         """``(schedule, count, reason)`` for :attr:`memory_bytes`: one token chunk (3 matmuls) if
@@ -255,7 +275,7 @@ class ChunkPolicy:
         target, n, v_loc = int(self.memory_bytes), num_tokens, local_vocab(vocab_size, tp_degree)
 
         def peak(schedule, k):
-            return peak_bytes(Plan(schedule, k, False), n, vocab_size, tp_degree, hidden_size=hidden_size)
+            return peak_bytes(Plan(schedule, k, GradMode.RECOMPUTE), n, vocab_size, tp_degree, hidden_size=hidden_size)
 
         one = peak("token", 1)
         head = f"one token chunk would peak at {one / GiB:.2f} GiB"
@@ -373,8 +393,8 @@ def peak_bytes(plan: Plan, num_tokens: int, vocab_size: int, tp_degree: int = 1,
         vocab x k:       dW + AH + max(N Vb e, dh)             one block's dx, Vb its width rounded up to 16
 
     with ``dW = g V H``, ``dh = g N H``, and ``dH = dh`` where one matmul makes ``dh`` (one rank, one
-    aligned part), else ``AH`` (``dh`` summed over vocab parts or ranks in fp32). Run 7 on the H200
-    measured every plan of the four benchmark shapes within 1% of it (``tests/test_policy.py``).
+    aligned part), else ``AH`` (``dh`` summed over vocab parts or ranks in fp32). Every plan of the four benchmark shapes
+    measured on an H200 is within 1% of it (``tests/test_policy.py``, ``tests/fixtures``).
     Not modelled: sequence parallelism's gathered rows, the fused statistics' partials in forward
     (``8 N ceil(V / 256)`` bytes, below the backward's peak at the benchmark shapes)."""
     e, g = dtype.itemsize, (grad_dtype or dtype).itemsize
@@ -408,9 +428,7 @@ def explain(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size
                     chunks=chunks, schedule=schedule, recompute=recompute, fused=fused)
     op = "cross_entropy" if hidden_size is None else "linear_cross_entropy"
     unit = "token chunk" if p.schedule == "token" else "vocab block"
-    grads = "in backward" if hidden_size is None else (
-        "made in forward" if p.grad_in_forward else
-        "made in backward from the kept logits" if p.keep_logits else "recomputed in backward")
+    grads = "in backward" if hidden_size is None else p.grad_mode.value
     matmuls, memory = "", ""
     if hidden_size is not None:
         matmuls = f", {_matmuls(p)} matmuls of 2*N*H*V_loc FLOPs"

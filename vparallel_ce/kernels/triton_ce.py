@@ -230,8 +230,8 @@ def _launch_cfg(width: int, elt: int):
 
 def _stats_launch_cfg(width: int, elt: int):
     """The statistics pass reduces every tile (max, sum): 4 warps per row keep those reductions
-    short; 2048-wide tiles below ~100k columns (H200 sweep, docs/kernels.md: 3.5 TB/s at 128256
-    columns, 2.1 TB/s at 16032 and 32777)."""
+    short; 2048-wide tiles below ~100k columns (the fastest of a sweep on an H200: 3.5 TB/s at
+    128256 columns, 2.1 TB/s at 16032 and 32777)."""
     block, warps = _launch_cfg(width, elt)
     if block >= 2048:
         block, warps = (block if width >= 100_000 else 2048), 4
@@ -316,7 +316,7 @@ def loss_stats_grad_(x, target, n_valid, reduction, spec, *, block: int | None =
     maps its target, reads the row for the statistics and the loss, then walks it back from its
     end (the tiles last read are the ones most likely still in L2) writing the gradient over it.
     ``block`` / ``warps``: the launch (default: the gradient pass's, 4096 x 8 warps in 16-bit, the
-    fastest of an H200 sweep at all four benchmark shapes but the odd vocab's, docs/kernels.md)."""
+    fastest of a sweep on an H200 at all four benchmark shapes but the odd vocab's)."""
     c, width = x.shape if x.dim() == 2 else (0, 0)
     if not _covered(x) or spec.entropy or x.stride(-1) != 1 or width == 0 or c == 0:
         return stats.loss_stats_grad_(x, target, n_valid, reduction, spec)
