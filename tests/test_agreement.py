@@ -42,6 +42,14 @@ def _disagreements(rank, world, group):
     swapped[[0, 1]] = swapped[[1, 0]]
     assert int(t[0]) != int(t[1])
     shifted = torch.roll(t, 1)
+    # a 3-cycle of ids whose position-weighted sums match (0*1 + 2*2 + 1*3 = 1*1 + 0*2 + 2*3)
+    base, cycled = t.clone(), t.clone()
+    base[:3], cycled[:3] = torch.tensor([0, 2, 1]), torch.tensor([1, 0, 2])
+    rows_swapped = h[[1, 0, 2, 3, 4, 5]]
+
+    def autocast_on_odd():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=odd):
+            linear()()
 
     def no_grad_on_odd():
         with torch.set_grad_enabled(not odd):
@@ -70,6 +78,23 @@ def _disagreements(rank, world, group):
             linear(hidden=h[:-1] if odd else h, target=t[:-1] if odd else t),
             ["token count", "rank 0: 6", f"rank {world - 1}: 5"]),
         "hidden not replicated": (linear(hidden=h + 1 if odd else h), ["hidden checksum", "replicated"]),
+        "targets 3-cycled on one rank": (linear(target=cycled if odd else base), ["target checksum"]),
+        "hidden rows swapped on one rank": (linear(hidden=rows_swapped if odd else h), ["hidden checksum"]),
+        "entropy asked on one rank": (
+            lambda: vparallel_ce.token_logprobs(x, t, group=group, with_entropy=odd),
+            ["entropy", "rank 0: False", f"rank {world - 1}: True"]),
+        "autocast on one rank": (autocast_on_odd, ["matmul dtype", "torch.float32", "torch.bfloat16"]),
+        "ignore_index beyond int64 on one rank": (
+            linear(ignore_index=2**63 if odd else -100),
+            ["ignore_index must be an int64, got 9223372036854775808"]),
+        "chunks beyond int64 on one rank": (
+            linear(chunks=2**63 if odd else 1), ["chunks must be an int in [1, 2**31]"]),
+        "vocab_size beyond int64 on one rank": (
+            linear(vocab_size=2**64 if odd else V), ["vocab_size must be a positive int"]),
+        "vocab_size a string on one rank": (
+            linear(vocab_size="13" if odd else V), ["vocab_size must be", "'13'"]),
+        "check not a bool on one rank": (
+            linear(vocab_size=V, check=0 if odd else True), ["check must be True or False"]),
         "label_smoothing differs": (linear(label_smoothing=0.1 if odd else 0.0), ["label smoothing", "0.1", "0.0"]),
         "ignore_index differs": (linear(ignore_index=-1 if odd else -100), ["ignore index", "-1", "-100"]),
         "schedule differs": (linear(schedule="vocab" if odd else "token"), ["schedule", "'vocab'", "'token'"]),

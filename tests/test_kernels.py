@@ -286,15 +286,23 @@ _TARGET_FACTS_CHECKS = textwrap.dedent(
     """
     import os, sys
     import torch
-    from vparallel_ce.kernels.targets import target_facts
+    from vparallel_ce.kernels.targets import target_facts, word_checksum
+    from vparallel_ce import validate
     device = sys.argv[1]
     g = torch.Generator().manual_seed(0)
+
+    def mixed(i, v):  # validate.target_checksum's mix of one (position, id), in Python integers
+        m = (1 << 64) - 1
+        x = (v * validate._K1 + (i + 1) * validate._K2) & m
+        x ^= x >> 32 if x < 1 << 63 else (x >> 32) | (m ^ (m >> 32))  # an arithmetic shift
+        x = (x * validate._K3) & m
+        return x ^ (x >> 29 if x < 1 << 63 else (x >> 29) | (m ^ (m >> 29)))
 
     def want(u, ignore):
         valid = u[u != ignore]
         lo = min(0, int(valid.min())) if valid.numel() else 0
         hi = max(0, int(valid.max())) if valid.numel() else 0
-        checksum = sum((i + 1) * int(v) for i, v in enumerate(u.tolist())) % (1 << 64)
+        checksum = sum(mixed(i, int(v)) for i, v in enumerate(u.tolist())) % (1 << 64)
         return [lo, hi, checksum - (1 << 64) if checksum >= 1 << 63 else checksum]
 
     for n, ignore in [(1, -100), (7, -100), (2048, -100), (2049, 5), (5000, -1), (4097, 0)]:
@@ -305,27 +313,31 @@ _TARGET_FACTS_CHECKS = textwrap.dedent(
             if bad is not None:
                 u[n // 2] = bad
             expected = want(u, ignore)
+            assert int(validate.target_checksum(u)) == expected[2], (n, ignore, bad, "torch version")
             got = target_facts(u.to(device), ignore).tolist()
             assert got == expected, (n, ignore, bad, got, expected)
             if bad != 1 << 40:
                 assert target_facts(u.to(device, torch.int32), ignore).tolist() == expected, (n, bad, "int32")
-        swapped = t.clone()
-        swapped[[0, n - 1]] = swapped[[n - 1, 0]]
-        if n > 1 and int(t[0]) != int(t[-1]):  # a permutation changes the checksum
-            assert target_facts(swapped.to(device), ignore)[2] != target_facts(t.to(device), ignore)[2], n
-    from vparallel_ce.kernels.targets import bits_sum
+        if n >= 3 and len(set(t[:3].tolist())) == 3:  # a 3-cycle of the first ids changes the checksum
+            cycled = t.clone()
+            cycled[[0, 1, 2]] = t[[1, 2, 0]]
+            assert target_facts(cycled.to(device), ignore)[2] != target_facts(t.to(device), ignore)[2], n
     for n in (1, 4095, 65536, 65536 * 2 + 3):  # one word; a partial tile; one program; three
         words = torch.randint(-(1 << 31), 1 << 31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
-        assert int(bits_sum(words.to(device))) == int(words.sum(dtype=torch.int64)), n
+        want_sum = int(validate.word_checksum(words))
+        assert int(word_checksum(words.to(device))) == want_sum, n
+        if n > 1:  # two words swapped: another checksum
+            assert int(word_checksum(words.flip(0).contiguous().to(device))) != want_sum, n
     print("TARGET_FACTS_OK")
     """
 )
 
 
 def test_target_facts_kernel_in_interpreter():
-    # the front door's one launch: [min(0, lowest valid id), max(0, highest), sum_i (i+1) t_i mod 2^64]
-    # for ignored ids anywhere, one and several 2048-wide tiles, int64 and int32 targets; and the
-    # hidden states' replication checksum (a sum of 32-bit words), across program boundaries
+    # the front door's one launch: [min(0, lowest valid id), max(0, highest), the target checksum]
+    # for ignored ids anywhere, one and several 2048-wide tiles, int64 and int32 targets, equal to
+    # the torch version and to Python integers; and the hidden states' replication checksum (mixed
+    # 32-bit words) equal to its torch version across program boundaries
     proc = _run_interpreted(_TARGET_FACTS_CHECKS, "cpu")
     assert proc.returncode == 0 and "TARGET_FACTS_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
 

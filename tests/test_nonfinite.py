@@ -56,14 +56,19 @@ def _case(kind: str, world: int, owner: int):
     return x, t
 
 
-def _reference(x, t, reduction, **opts):
-    """Loss and logits gradient of F.cross_entropy on the valid rows (ignored rows: 0, gradient 0)."""
+def _reference(x, t, reduction, *, upstream=None, softcap=None):
+    """Loss and logits gradient of F.cross_entropy on the valid rows (ignored rows: 0, gradient 0),
+    of the logits softcapped first with ``softcap``; ``upstream``: reduction none's gradient."""
     x = x.clone().requires_grad_()
     valid = t != IGNORE
+    z = x[valid] if softcap is None else softcap * torch.tanh(x[valid] / softcap)
     per = torch.zeros(N, dtype=x.dtype)
-    per = per.index_put((valid.nonzero().squeeze(1),), F.cross_entropy(x[valid], t[valid], reduction="none", **opts))
+    per = per.index_put((valid.nonzero().squeeze(1),), F.cross_entropy(z, t[valid], reduction="none"))
     out = per if reduction == "none" else per.sum() / valid.sum() if reduction == "mean" else per.sum()
-    out.backward(torch.linspace(0.5, 1.5, N, dtype=x.dtype) if reduction == "none" else None)
+    if reduction == "none":
+        out.backward(torch.linspace(0.5, 1.5, N, dtype=x.dtype) if upstream is None else upstream)
+    else:
+        out.backward()
     return out.detach(), x.grad
 
 
@@ -150,11 +155,11 @@ def _linear_case(kind: str, world: int, owner: int):
     return h, w, t
 
 
-def _linear_reference(h, w, t, reduction):
+def _linear_reference(h, w, t, reduction, **opts):
     """The logits' reference (:func:`_reference`) chained through the lm_head matmuls, in IEEE
     arithmetic as the op's own: ``dh = dx W``, ``dW = dx^T h`` (a nan weight row or hidden state of an
     ignored token still reaches them through ``0 * nan``)."""
-    out, dx = _reference(F.linear(h, w), t, reduction)
+    out, dx = _reference(F.linear(h, w), t, reduction, **opts)
     return out, dx @ w, dx.t() @ h
 
 
@@ -204,6 +209,57 @@ def test_linear_ops_put_non_finite_values_where_the_reference_has_them(world, ki
     assert all(n > 0 for n in results)
 
 
+def ignored_rows_rank(rank, world, device="cpu", dtype=torch.float64):
+    """An ignored token whose logits hold a nan (from a nan hidden state), softcapped, with a nan
+    upstream gradient at its position (reduction none): its gradient row is exactly 0, as the
+    reference's, and nothing else changes."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if world > 1 else None
+    cap = 4.0
+    up = torch.linspace(0.5, 1.5, N, dtype=torch.float64)
+    up[6] = NAN  # the ignored token's
+    h_full, w_full, t = _linear_case("nan hidden", world, 0)
+    h_full, w_full = h_full.to(dtype).double(), w_full.to(dtype).double()
+    h_full[2] = 0.5  # only the ignored token's hidden state is nan: its logits row is nan
+    x = F.linear(h_full, w_full).to(dtype).double()
+    checked = 0
+    for reduction in ("mean", "none"):
+        upstream = up if reduction == "none" else None
+        for chunks in (1, 3):
+            mine = shard(x, world, rank).to(device, dtype, copy=True).requires_grad_()
+            out = vparallel_ce.cross_entropy(mine, t.to(device), group=group, reduction=reduction, chunks=chunks,
+                                             softcap=cap)
+            out.backward(None if upstream is None else upstream.to(device, out.dtype))
+            ref, ref_grad = _reference(x, t, reduction, upstream=upstream, softcap=cap)
+            case = f"cross_entropy, TP {world}, {reduction}, chunks={chunks}"
+            _same(out.detach(), ref, f"{case}: loss", dtype)
+            _same(mine.grad, shard(ref_grad, world, rank), f"{case}: logits grad on rank {rank}", dtype)
+            checked += 1
+        for schedule, recompute, chunks in LINEAR_PLANS:
+            if reduction == "none" and recompute is None and chunks == 2 and schedule == "token":
+                continue
+            h = h_full.to(device, dtype, copy=True).requires_grad_()
+            w = shard(w_full, world, rank, 0).to(device, dtype, copy=True).requires_grad_()
+            out = vparallel_ce.linear_cross_entropy(h, w, t.to(device), group=group, reduction=reduction,
+                                                    schedule=schedule, recompute=recompute, chunks=chunks, softcap=cap)
+            out.backward(None if upstream is None else upstream.to(device, out.dtype))
+            ref, dh, dw = _linear_reference(h_full, w_full, t, reduction, upstream=upstream, softcap=cap)
+            case = f"linear_cross_entropy, TP {world}, {schedule} x{chunks} recompute={recompute}, {reduction}"
+            _same(out.detach(), ref, f"{case}: loss", dtype)
+            _same(h.grad, dh, f"{case}: hidden grad on rank {rank}", dtype)
+            _same(w.grad, shard(dw, world, rank, 0), f"{case}: weight grad on rank {rank}", dtype)
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_ignored_token_keeps_a_zero_gradient_under_softcap_and_a_nan_upstream(world):
+    fn = ignored_rows_rank
+    results = [fn(0, 1)] if world == 1 else run_ranks(fn, world, timeout=120)
+    assert all(n > 0 for n in results)
+
+
 def test_a_nan_logit_is_never_hidden_by_its_position():
     # the case that was once silently finite: a nan column on one rank, every token nan
     x = torch.randn(N, V, dtype=torch.float64)
@@ -231,3 +287,6 @@ def test_on_cuda_non_finite_values_follow_the_reference(world, dtype):
             results = ([fn(0, 1, kind, op, "cuda", dtype)] if world == 1
                        else run_ranks(fn, world, kind, op, "cuda", dtype, timeout=300))
             assert all(n > 0 for n in results), (op, kind)
+    results = ([ignored_rows_rank(0, 1, "cuda", dtype)] if world == 1
+               else run_ranks(ignored_rows_rank, world, "cuda", dtype, timeout=300))
+    assert all(n > 0 for n in results)

@@ -88,17 +88,27 @@ def test_unknown_keyword_error_suggests_the_close_option():
 
 
 @pytest.mark.parametrize("name, options, message", [
-    ("chunked", {"chunks": 0}, r"chunks must be an int >= 1 or 'auto', got 0"),
+    ("chunked", {"chunks": 0}, r"chunks must be an int in \[1, 2\*\*31\] or 'auto', got 0"),
     ("chunked", {"reduction": "avg"}, r"reduction must be one of .*got 'avg'"),
     ("naive", {"label_smoothing": 1.5}, r"label_smoothing must be in \[0, 1\], got 1.5"),
-    ("naive", {"z_loss": -1.0}, r"z_loss must be >= 0, got -1.0"),
+    ("naive", {"z_loss": -1.0}, r"z_loss must be a finite number >= 0, got -1.0"),
     ("fused", {"schedule": "rows"}, r"schedule must be one of .*got 'rows'"),
     ("fused", {"policy": "small"}, r"policy must be a vparallel_ce.ChunkPolicy or None, got 'small'"),
     ("fused", {"recompute": False, "reduction": "none"}, r"recompute=False .*reduction='none'"),
+    ("fused", {"vocab_size": -5}, r"vocab_size must be a positive int or None, got -5"),
+    ("fused", {"check": "no"}, r"check must be True or False, got 'no'"),
+    ("fused", {"sequence_parallel": "yes"}, r"sequence_parallel must be True or False, got 'yes'"),
+    ("chunked", {"softcap": float("inf")}, r"softcap must be a finite positive number or None, got inf"),
+    ("chunked", {"ignore_index": 2**63}, r"ignore_index must be an int64, got 9223372036854775808"),
 ])
 def test_build_loss_fn_rejects_a_bad_value(name, options, message):
     with pytest.raises(ValueError, match=message):
         vparallel_ce.build_loss_fn(name, **options)
+
+
+def test_build_loss_fn_rejects_a_group_that_is_not_one():
+    with pytest.raises(TypeError, match="group must be a ProcessGroup, a 1-D DeviceMesh or None, got str"):
+        vparallel_ce.build_loss_fn("fused", group="tp")
 
 
 @pytest.mark.parametrize("cls, options, error", [

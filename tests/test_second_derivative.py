@@ -52,3 +52,22 @@ def test_create_graph_leaves_the_first_derivative_unchanged(name):
     got = torch.autograd.grad(fn(*leaves), leaves, create_graph=True)
     for g, r in zip(got, want):
         assert torch.equal(g.detach(), r)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
+def test_a_derivative_with_respect_to_the_upstream_gradient_raises(op, reduction):
+    """The gradients are linear in the upstream gradient ``v``; d(grad)/dv through a backward run
+    without autograd would come out as nothing (or zero), so it raises too."""
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, H, generator=g, dtype=torch.float64)
+    t = torch.randint(0, V, (N,), generator=g)
+    if op == "cross_entropy":
+        out = vparallel_ce.cross_entropy(h @ w.T, t, reduction=reduction, chunks=1)
+    else:
+        out = vparallel_ce.linear_cross_entropy(h, w, t, reduction=reduction, chunks=1)
+    v = torch.randn(out.shape, generator=g, dtype=torch.float64, requires_grad=True)
+    (dh,) = torch.autograd.grad(out, h, grad_outputs=v, create_graph=True)
+    with pytest.raises(SecondDerivativeError, match="has no second derivative"):
+        torch.autograd.grad(dh.square().sum(), v)

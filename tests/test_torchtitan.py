@@ -87,7 +87,7 @@ def test_the_torchtitan_loss_builder_checks_options_when_torchtitan_builds_the_l
     from vparallel_ce.integrations import torchtitan as tt
 
     job = SimpleNamespace(compile=SimpleNamespace(enable=False, components=[]), vparallel=tt.VParallel(z_loss=-1.0))
-    with pytest.raises(ValueError, match="z_loss must be >= 0"):
+    with pytest.raises(ValueError, match="z_loss must be a finite number >= 0"):
         tt.build_torchtitan_loss_fn(job, parallel_dims=None)
     job.vparallel = tt.VParallel(chunks="4")
     assert isinstance(tt.build_torchtitan_loss_fn(job, parallel_dims=None, fused=True), tt.FusedLoss)

@@ -30,7 +30,7 @@ from .layout import VocabLayout
 from .policy import Plan
 from .stats import LossSpec
 from .validate import (
-    DeferredTargetCheck, Facts, agree, bits_checksum, check_linear, check_logits, check_options, replication_checked,
+    DeferredTargetCheck, Facts, agree, hidden_checksum, check_linear, check_logits, check_options, replication_checked,
 )
 
 __all__ = ["Call", "LogitsInputs", "LinearInputs", "logits_call", "linear_call", "autocast_dtype", "autocast_off",
@@ -102,12 +102,12 @@ def logits_call(logits, target, *, op, group, vocab_size, reduction, chunks, che
     entropy too."""
     logits, target, group, vocab_size = _unwrap_logits(logits, target, group, vocab_size)
     group = comm.resolve_group(group)
-    problem = check_options(reduction=reduction, chunks=chunks, policy=policy, **loss_options) or check_logits(
-        logits, target)
+    problem = check_options(reduction=reduction, chunks=chunks, policy=policy, vocab_size=vocab_size, check=check,
+                            **loss_options) or check_logits(logits, target)
 
     def facts(target_checksum):  # made only for a group's exchange
         return Facts.of(op=op, inputs=(logits,), target=target, target_checksum=target_checksum, reduction=reduction,
-                        chunks=chunks, policy=policy, **loss_options)
+                        chunks=chunks, policy=policy, entropy=entropy, **loss_options)
 
     agreed = agree(problem, group, local_size=lambda: logits.shape[-1], facts=facts, device=_device(logits),
                    vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options),
@@ -130,7 +130,8 @@ def linear_call(hidden, weight, target, bias, *, op, group, sequence_parallel, v
     group = comm.resolve_group(group)
     amp = autocast_dtype(weight.device) if isinstance(weight, torch.Tensor) else None
     problem = check_options(reduction=reduction, chunks=chunks, schedule=schedule, recompute=recompute, policy=policy,
-                            check_replicated=check_replicated, **loss_options) or check_linear(
+                            check_replicated=check_replicated, vocab_size=vocab_size, check=check,
+                            sequence_parallel=sequence_parallel, **loss_options) or check_linear(
         hidden, weight, target, bias, autocast_dtype=amp)
     sp = bool(sequence_parallel)
 
@@ -140,11 +141,11 @@ def linear_call(hidden, weight, target, bias, *, op, group, sequence_parallel, v
     def facts(target_checksum):  # made only for a group's exchange
         # replicated hidden states are checked to be so (with sequence parallelism each rank holds
         # its own tokens): a sum over [N, H] that rides on the exchange
-        replicated = bits_checksum(hidden) if check and check_replicated and not sp and replication_checked() else 0
+        replicated = hidden_checksum(hidden) if check and check_replicated and not sp and replication_checked() else 0
         return Facts.of(op=op, sequence_parallel=sp, inputs=(hidden, weight, bias), target=target,
                         target_checksum=target_checksum, hidden_checksum=replicated, reduction=reduction,
                         chunks=chunks, schedule=schedule, recompute=recompute, fused=fused, policy=policy,
-                        **loss_options)
+                        entropy=entropy, matmul_dtype=_matmul_dtype(weight, amp), **loss_options)
 
     agreed = agree(problem, group, local_size=lambda: weight.shape[0], facts=facts, device=_device(weight),
                    vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options),

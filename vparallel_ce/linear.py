@@ -538,7 +538,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ops = kernels.ops_for(wm)
             kept_chunks = saved.kept.take()  # empty on a second backward of the graph: it recomputes
             if saved.mode is Backward.UNIT_LOGITS and kept_chunks:
-                g = grad_out.reshape(-1) if call.reduction == "none" else grad_out
+                g = grad_out
+                if call.reduction == "none":  # an ignored token's rows stay 0 whatever its g (nan too)
+                    g = torch.where(t != call.spec.ignore_index, g.reshape(-1), 0)
                 return grads_from_unit_dx(ops, kept_chunks[0][0], h, w, b, hm, wm, g, saved.need) + (None, None)
             sched = Schedule.of(call, keep_logits=False)
             rows = sched.rows(call)

@@ -38,9 +38,6 @@ from .validate import check_options
 __all__ = ["build_loss_fn", "PlainCrossEntropy", "VocabParallelCrossEntropy", "LinearCrossEntropy", "LOSSES"]
 
 
-# Options the ops take but do not pass to check_options: where the shards live and whether to check
-# them, not values of the loss.
-_NOT_VALUE_OPTIONS = frozenset({"group", "vocab_size", "sequence_parallel", "check"})
 
 
 def _keyword_options(op) -> frozenset:
@@ -65,9 +62,13 @@ class _LossModule(nn.Module):
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise TypeError(f"{name} got an unexpected keyword {key!r}{hint}; it takes "
                                 f"{', '.join(sorted(self.OPTIONS))}")
-        problem = check_options(**{k: v for k, v in options.items() if k not in _NOT_VALUE_OPTIONS})
+        problem = check_options(**{k: v for k, v in options.items() if k != "group"})
         if problem is not None:
             raise problem.exc(f"{name}: {problem.message}")
+        try:  # where the shards live: checked now, resolved at each call (a mesh's group may change)
+            comm.resolve_group(options.get("group"))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{name}: {e}") from None
         self.options = options
 
     def extra_repr(self) -> str:

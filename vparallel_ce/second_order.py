@@ -62,9 +62,11 @@ def first_order_only(op: str):
             tensors = [g for g in grads if isinstance(g, torch.Tensor)]
             if not tensors:
                 return grads
-            # the op's saved inputs that require grad tie the refusing node into the graph (so that a
-            # second derivative with respect to them reaches it); a fresh leaf where there are none
-            anchors = [t for t in ctx.saved_tensors if t is not None and t.requires_grad]
+            # the op's saved inputs and the upstream gradients that require grad tie the refusing
+            # node into the graph, so that a second derivative with respect to any of them reaches
+            # it (the gradients are linear in the upstream ones, which the no_grad backward hides)
+            anchors = [t for t in (*ctx.saved_tensors, *grad_outputs)
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
             if not anchors:  # nothing to tie the node to (gradients made in forward): refuse now
                 raise _refusal(op)
             refused = iter(_Refuse.apply(op, len(anchors), *anchors, *tensors))

@@ -289,7 +289,8 @@ def grad_logits(
         hit = torch.where(owned, coefs.c, torch.zeros_like(coefs.c))
         d.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
     if spec.softcap is not None:
-        d = d * (1.0 - (z * (spec.temperature / spec.softcap)).square())
+        # an exact 0 (every entry of an ignored row) stays 0 where z is nan: not 0 * (1 - nan^2)
+        d = torch.where(d == 0, d, d * (1.0 - (z * (spec.temperature / spec.softcap)).square()))
     if spec.temperature != 1.0:
         d = d * (1.0 / spec.temperature)
     return d.to(out_dtype or x.dtype)
@@ -375,6 +376,8 @@ def scale_rows(x: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = None
 
 def scale_coefs(coefs: GradCoefs, grad_out: torch.Tensor) -> GradCoefs:
     """Coefficients for 1 -> for the upstream gradient ``grad_out`` (a scalar for mean/sum, the
-    chunk's per-token gradients ``[c]`` for none)."""
+    chunk's per-token gradients ``[c]`` for none). A coefficient that is exactly 0 (an ignored
+    token's) stays 0 whatever the upstream gradient, nan included, as ``F.cross_entropy``'s
+    gradient of an ignored token is 0."""
     g = grad_out.to(coefs.a.dtype)
-    return GradCoefs(*(None if k is None else k * g for k in coefs))
+    return GradCoefs(*(None if k is None else torch.where(k == 0, k, k * g) for k in coefs))

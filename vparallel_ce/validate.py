@@ -29,7 +29,7 @@ from .stats import REDUCTIONS
 
 __all__ = [
     "Problem", "InvalidInputError", "DeferredTargetCheck", "check_options", "check_logits", "check_linear", "agree",
-    "Agreement", "Facts", "bits_checksum", "OPS", "SCHEDULES",
+    "Agreement", "Facts", "target_checksum", "word_checksum", "hidden_checksum", "OPS", "SCHEDULES",
 ]
 
 SCHEDULES = ("auto", "token", "vocab")
@@ -95,23 +95,32 @@ class DeferredTargetCheck:
         _check_targets([[lo, hi]], self.vocab_size)
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _is_int(v, lo: int = -(2**63), hi: int = 2**63 - 1) -> bool:
+    """An int (not a bool) in ``[lo, hi]``: every option travels as an int64 in the exchange, so one
+    that does not fit must be caught here, where it becomes a message, not an overflow on one rank."""
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _positive_finite(v) -> bool:
+    return not isinstance(v, bool) and 0 < float(v) < float("inf")
 
 
 # name -> (predicate, what it must be); a table made once, not per call (this runs on every call)
 _OPTION_CHECKS = {
     "reduction": (lambda v: v in REDUCTIONS, f"one of {REDUCTIONS}"),
-    "ignore_index": (_is_int, "an int"),
-    "label_smoothing": (lambda v: 0.0 <= float(v) <= 1.0, "in [0, 1]"),
-    "z_loss": (lambda v: float(v) >= 0, ">= 0"),
-    "softcap": (lambda v: v is None or float(v) > 0, "a positive number or None"),
-    "temperature": (lambda v: not isinstance(v, bool) and float(v) > 0, "a positive number"),
-    "chunks": (lambda v: v == "auto" or (_is_int(v) and v >= 1), "an int >= 1 or 'auto'"),
+    "ignore_index": (_is_int, "an int64"),
+    "label_smoothing": (lambda v: not isinstance(v, bool) and 0.0 <= float(v) <= 1.0, "in [0, 1]"),
+    "z_loss": (lambda v: not isinstance(v, bool) and 0 <= float(v) < float("inf"), "a finite number >= 0"),
+    "softcap": (lambda v: v is None or _positive_finite(v), "a finite positive number or None"),
+    "temperature": (_positive_finite, "a finite positive number"),
+    "chunks": (lambda v: v == "auto" or _is_int(v, 1, 2**31), "an int in [1, 2**31] or 'auto'"),
     "schedule": (lambda v: v in SCHEDULES, f"one of {SCHEDULES}"),
     "recompute": (lambda v: v is None or isinstance(v, bool), "True, False or None"),
     "policy": (lambda v: v is None or isinstance(v, ChunkPolicy), "a vparallel_ce.ChunkPolicy or None"),
     "check_replicated": (lambda v: isinstance(v, bool), "True or False"),
+    "check": (lambda v: isinstance(v, bool), "True or False"),
+    "sequence_parallel": (lambda v: isinstance(v, bool), "True or False"),
+    "vocab_size": (lambda v: v is None or _is_int(v, 1, 2**62), "a positive int or None"),
 }
 
 
@@ -297,11 +306,16 @@ class Facts:
     z_loss: int = _shown(_show_float)
     softcap: int = _shown(_show_softcap)
     temperature: int = _shown(_show_float)
+    # the statistics carry the entropy (one more value per token in the all-reduces)
+    entropy: int = _shown(lambda c: str(bool(c)))
+    # the lm_head matmuls' dtype (torch.autocast's inside it): it decides the plan and the kernels
+    matmul_dtype: int = _shown(_show_dtype)
     chunk_policy: int = _shown(lambda c: f"a ChunkPolicy with CRC {c}")
     token_count: int = _shown(str, per_rank=True)
     # position-sensitive: a permutation of the ids, or ids shifted by one, is a different checksum
+    # (target_checksum)
     target_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
-    # hidden states must be replicated over the group (a sum of their bit patterns, exact in any order)
+    # hidden states must be replicated over the group (hidden_checksum: position-sensitive, exact)
     hidden_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
 
     @classmethod
@@ -309,8 +323,9 @@ class Facts:
            target_checksum, hidden_checksum=_NO_FACT, reduction: str = "none", chunks="auto", schedule: str = "auto",
            recompute: bool | None = None, fused: bool = False, policy: ChunkPolicy | None = None,
            ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0, softcap=None,
-           temperature: float = 1.0) -> "Facts":
-        """``inputs``: the op's float inputs, ``(logits,)`` or ``(hidden, weight, bias)``."""
+           temperature: float = 1.0, entropy: bool = False, matmul_dtype: torch.dtype | None = None) -> "Facts":
+        """``inputs``: the op's float inputs, ``(logits,)`` or ``(hidden, weight, bias)``;
+        ``matmul_dtype``: the linear ops' (None for the logits ops)."""
         first, weight, bias = (*inputs, None, None)[:3]
         grads = int(torch.is_grad_enabled())
         for i, t in enumerate((first, weight, bias)):
@@ -323,7 +338,8 @@ class Facts:
             {None: -1, False: 0, True: 1}[recompute],
             int(bool(fused)), int(ignore_index), _float_code(label_smoothing), _float_code(z_loss),
             _NO_SOFTCAP if softcap is None else _float_code(softcap), _float_code(temperature),
-            _policy_code(policy), target.numel(), target_checksum, hidden_checksum)
+            int(bool(entropy)), _dtype_code(matmul_dtype), _policy_code(policy), target.numel(), target_checksum,
+            hidden_checksum)
 
     def row(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
@@ -384,7 +400,10 @@ def agree(
         policy: this rank's chunk policy, shown field by field if the ranks' policies differ.
     """
     world = comm.world_size(group)
-    if problem is not None and (world == 1 or not (check or vocab_size is None)):
+    # only check=False with a known vocab size skips the exchange (a check that is not a bool is a
+    # problem to report through it)
+    exchange = check is not False or vocab_size is None
+    if problem is not None and (world == 1 or not exchange):
         problem.raise_()
     span = check and target is not None
     if world == 1:
@@ -395,9 +414,10 @@ def agree(
         return Agreement(VocabLayout.of_rank(None, 1, 0, v), None, pending)
     me = comm.rank(group)
     counts = None
-    if check or vocab_size is None:
+    if exchange:
         ok = problem is None
-        mine = [int(not ok), local_size() if ok else 0, -1 if vocab_size is None else vocab_size]
+        # a rank with bad input sends no claim: its vocab_size may be what is bad (not an int64)
+        mine = [int(not ok), local_size() if ok else 0, -1 if vocab_size is None or not ok else vocab_size]
         if ok:
             lo, hi, checksum = _target_facts(target, ignore_index).unbind()
             mine += ([lo, hi] if span else [0, 0]) + facts(checksum).row()
@@ -479,8 +499,7 @@ def _check_sizes(sizes: list[int], claims: list[int], vocab_size: int | None, wo
 def _target_facts(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     """``[lo, hi, checksum]`` (int64, on the target's device): every valid id of ``target`` lies in
     ``[lo, hi]``, both inside ``[0, V)`` exactly when every valid id is, and an out-of-range id, if
-    any, is one of them; ``checksum = sum_i (i + 1) t_i`` (mod 2^64: exact in any order), which a
-    permutation of the ids or a shift by one position changes."""
+    any, is one of them; ``checksum`` is :func:`target_checksum`."""
     t = target.reshape(-1)
     if t.numel() == 0:
         return torch.zeros(3, dtype=torch.int64, device=t.device)
@@ -488,10 +507,37 @@ def _target_facts(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     if found is not None:
         return found
     t = t.to(torch.int64)
-    checksum = (t * torch.arange(1, t.numel() + 1, device=t.device)).sum()
     # ignored ids count as 0, which is in range
     lo, hi = torch.aminmax(t.masked_fill(t == ignore_index, 0))
-    return torch.stack([lo, hi, checksum])
+    return torch.stack([lo, hi, target_checksum(t)])
+
+
+# odd multipliers (splitmix64's and murmur3's), as signed ints; the Triton kernels of
+# vparallel_ce.kernels.targets use the same ones
+_K1, _K2, _K3 = -7046029254386353131, -4658895280553007687, -7723592293110705685
+_W1, _W2 = -1640531535, -2048144789
+
+
+def target_checksum(t: torch.Tensor) -> torch.Tensor:
+    """``sum_i mix(i, t_i)`` over the ids of an int64 vector ``t`` (0-dim int64; all arithmetic
+    wraps mod 2^64, so the sum is exact in any order): ``mix`` multiplies and xor-shifts id and
+    position together, so that a permutation of the ids (a cycle of any length) or a shift by a
+    position changes the sum except by a ~2^-64 chance -- a weighted sum such as ``sum (i+1) t_i``
+    does not see a 3-cycle whose weighted sums match."""
+    x = t * _K1 + torch.arange(1, t.numel() + 1, device=t.device) * _K2
+    x = x ^ (x >> 32)
+    x = x * _K3
+    return (x ^ (x >> 29)).sum()
+
+
+def word_checksum(words: torch.Tensor) -> torch.Tensor:
+    """``sum_j mix(j, w_j)`` over the 32-bit words ``w`` of a contiguous int32 vector (0-dim int64;
+    int32 arithmetic wraps mod 2^32 and the int64 sum is exact in any order): each word is mixed
+    with its position, so replicated tensors give the same value on every rank while different
+    values, or the same values in another order (rows permuted, a transpose), give another."""
+    j = torch.arange(words.numel(), device=words.device).to(torch.int32)
+    v = (words ^ (j * _W1)) * _W2
+    return (v ^ (v >> 15)).sum(dtype=torch.int64)
 
 
 def _target_span(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -520,20 +566,20 @@ def replication_checked() -> bool:
     return _REPLICATION_CHECKED.get()
 
 
-def bits_checksum(x: torch.Tensor) -> torch.Tensor:
-    """The sum of ``x``'s bit patterns as integers (0-dim int64 on its device): exact in any order,
-    so replicated tensors give the same value on every rank (a float sum need not), nan included.
-    Summed as 32-bit words where the bytes split into them (on a GPU in one Triton read: torch's
-    integer sum is ~10x slower than memory), else element by element -- a choice made from the
+def hidden_checksum(x: torch.Tensor) -> torch.Tensor:
+    """:func:`word_checksum` of ``x``'s bytes (0-dim int64 on its device): what the ranks compare to
+    know that ``hidden`` is replicated (exact, nan included, unlike a float sum, which need not
+    come out the same on every rank). Read as 32-bit words where the bytes split into them (on a
+    GPU in one Triton read), else element by element widened to words -- a choice made from the
     shape and dtype alone, so ranks holding the same values always make the same one."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.int64, device=x.device)
     if (x.numel() * x.element_size()) % 4 == 0:
         words = x.contiguous().view(-1).view(torch.int32)
-        found = kernels.bits_sum(words)
-        return found if found is not None else words.sum(dtype=torch.int64)
+        found = kernels.word_checksum(words)
+        return found if found is not None else word_checksum(words)
     as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    return x.contiguous().view(as_int).sum(dtype=torch.int64)
+    return word_checksum(x.contiguous().view(-1).view(as_int).to(torch.int32))
 
 
 def _check_targets(spans: list[list[int]], vocab_size: int) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from .. import stats
 
-__all__ = ["KernelBackend", "FusedLinear", "ops_for", "fused_applies", "target_facts", "bits_sum", "TORCH_OPS"]
+__all__ = ["KernelBackend", "FusedLinear", "ops_for", "fused_applies", "target_facts", "word_checksum", "TORCH_OPS"]
 
 
 @dataclass(frozen=True)
@@ -139,11 +139,12 @@ def target_facts(target, ignore_index: int):
     return _MODULES[2].target_facts(target, ignore_index)
 
 
-def bits_sum(words):
-    """The Triton sum of a contiguous int32 CUDA tensor as int64 (:func:`.targets.bits_sum`), or
-    None where it does not apply: the caller then sums with torch."""
+def word_checksum(words):
+    """The Triton version of :func:`vparallel_ce.validate.word_checksum` for a contiguous int32 CUDA
+    tensor (:func:`.targets.word_checksum`), or None where it does not apply: the caller then runs
+    the torch version."""
     if os.environ.get("VPARALLEL_CE_KERNELS", "auto") == "torch" or not (words.is_cuda or interpreting()):
         return None
     if _modules() is None:
         return None
-    return _MODULES[2].bits_sum(words)
+    return _MODULES[2].word_checksum(words)

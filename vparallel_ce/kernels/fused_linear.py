@@ -311,9 +311,9 @@ def _grad_kernel(
         if HAS_D:
             d = d - tl.load(CD + rows, mask=rmask, other=0.0)[:, None]
         d = tl.where(cols[None, :] == t[:, None], d - hit[:, None], d)
-        if HAS_CAP:
+        if HAS_CAP:  # an exact 0 (an ignored row's) stays 0 where z is nan
             r = z * t_over_cap
-            d = d * (1.0 - r * r)
+            d = tl.where(d == 0.0, d, d * (1.0 - r * r))
         if HAS_T:
             d = d * inv_t
         _store_tile(D_, d, off_m, off_n, c, V, s_dm, BM, BN, TMA_STORE, SPLIT)

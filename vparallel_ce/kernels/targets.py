@@ -1,15 +1,18 @@
-"""The front door's target range check and target checksum in one launch
+"""The front door's target range check, target checksum and replication checksum, one launch each
 (:func:`vparallel_ce.validate.agree`).
 
 ``[lo, hi, checksum]`` with ``lo = min(0, smallest valid id)`` and ``hi = max(0, largest valid id)`` (ignored
 ids count as 0): every valid id lies in ``[0, V)`` exactly when ``lo >= 0`` and ``hi < V``, and an
-out-of-range id, if any, is ``lo`` (when negative) or ``hi``. ``checksum = sum_i (i + 1) t_i`` (mod
-2^64, so exact in any order) is what the ranks of a group compare: it sees a permutation of the ids
-or ids shifted by a position, which a plain sum does not. The torch version of the check is 4
-small kernels (compare, select, min/max, stack); at world 1 they run before the op's first GEMM on
-every call, where a host that spends ~40 us per launched op leaves the GPU idle for each of them.
-One program walks the whole target vector (8 KiB per 1024 tokens), so the GPU time is a few
-microseconds at training sizes.
+out-of-range id, if any, is ``lo`` (when negative) or ``hi``. ``checksum`` is what the ranks of a group
+compare: a sum over positions of a mix of (position, id) (:func:`vparallel_ce.validate.target_checksum`,
+whose torch version this kernel reproduces bit for bit), exact in any order since integer sums
+wrap, and changed by any permutation or shift of the ids. The torch version of the check is
+several small kernels; at world 1 they run before the op's first GEMM on every call, where a host
+that spends ~40 us per launched op leaves the GPU idle for each of them. One program walks the
+whole target vector (8 KiB per 1024 tokens), so the GPU time is a few microseconds at training sizes.
+
+:func:`word_checksum` is the same idea over the 32-bit words of the hidden states
+(:func:`vparallel_ce.validate.word_checksum`), in one read at memory speed.
 """
 
 from __future__ import annotations
@@ -18,7 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["target_facts", "bits_sum"]
+__all__ = ["target_facts", "word_checksum"]
+
+# the mixing constants of vparallel_ce.validate.target_checksum / word_checksum (odd multipliers of
+# splitmix64 and murmur3, written as signed ints)
+_K1, _K2, _K3 = -7046029254386353131, -4658895280553007687, -7723592293110705685
+_W1, _W2 = -1640531535, -2048144789
 
 BLOCK = 2048
 
@@ -30,8 +38,12 @@ def _facts_kernel(T, N, ignore_index, OUT, BLOCK: tl.constexpr):
     acc = tl.zeros([BLOCK], dtype=tl.int64)
     for start in range(0, N, BLOCK):
         idx = start + tl.arange(0, BLOCK)
-        t = tl.load(T + idx, mask=idx < N, other=0).to(tl.int64)
-        acc += t * (idx.to(tl.int64) + 1)  # the tail loads 0
+        live = idx < N
+        t = tl.load(T + idx, mask=live, other=0).to(tl.int64)
+        mix = t * _K1 + (idx.to(tl.int64) + 1) * _K2  # wraps mod 2^64, as torch's int64 ops do
+        mix = mix ^ (mix >> 32)
+        mix = mix * _K3
+        acc += tl.where(live, mix ^ (mix >> 29), 0)
         t = tl.where(t == ignore_index, 0, t)
         lo = tl.minimum(lo, t)
         hi = tl.maximum(hi, t)
@@ -56,22 +68,26 @@ _TILES = 16  # tiles per program: 256 KiB a program
 
 
 @triton.jit
-def _bits_sum_kernel(X, N, OUT, BLOCK: tl.constexpr, TILES: tl.constexpr):
-    # a program's partial sum of its words, as int64 (integer sums are exact in any order)
+def _word_checksum_kernel(X, N, OUT, BLOCK: tl.constexpr, TILES: tl.constexpr):
+    # a program's partial sum of its mixed words, as int64 (integer sums are exact in any order)
     acc = tl.zeros([BLOCK], dtype=tl.int64)
     base = tl.program_id(0).to(tl.int64) * BLOCK * TILES
     for i in range(TILES):
         idx = base + i * BLOCK + tl.arange(0, BLOCK)
-        acc += tl.load(X + idx, mask=idx < N, other=0).to(tl.int64)
+        live = idx < N
+        w = tl.load(X + idx, mask=live, other=0)
+        v = (w ^ (idx.to(tl.int32) * _W1)) * _W2  # int32 ops wrap mod 2^32, as torch's do
+        v = v ^ (v >> 15)
+        acc += tl.where(live, v, 0).to(tl.int64)
     slot = tl.arange(0, 2)  # a vector store (see _facts_kernel)
     tl.store(OUT + tl.program_id(0) + slot, tl.where(slot == 0, tl.sum(acc, axis=0), 0), mask=slot < 1)
 
 
-def bits_sum(words: torch.Tensor) -> torch.Tensor:
-    """The sum of a contiguous 1-D int32 tensor as int64 (0-dim, on its device), in one read at
-    memory speed (torch's integer sum with an int64 accumulator runs ~10x slower)."""
+def word_checksum(words: torch.Tensor) -> torch.Tensor:
+    """:func:`vparallel_ce.validate.word_checksum` of a contiguous 1-D int32 tensor (0-dim int64, on
+    its device), in one read at memory speed (torch's version is several passes)."""
     n = words.numel()
     programs = triton.cdiv(n, _WORDS * _TILES)
     out = torch.empty(programs, dtype=torch.int64, device=words.device)
-    _bits_sum_kernel[(programs,)](words, n, out, BLOCK=_WORDS, TILES=_TILES, num_warps=8)
+    _word_checksum_kernel[(programs,)](words, n, out, BLOCK=_WORDS, TILES=_TILES, num_warps=8)
     return out.sum()

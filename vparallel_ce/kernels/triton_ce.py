@@ -114,9 +114,9 @@ def _row_grad(xb, db, W, t, shift, a, b, sub, hit, cap, inv_cap, inv_t, t_over_c
         if HAS_D:
             d = d - sub
         d = tl.where(idx == t, d - hit, d)
-        if HAS_CAP:
+        if HAS_CAP:  # an exact 0 (an ignored row's) stays 0 where z is nan
             r = z * t_over_cap
-            d = d * (1.0 - r * r)
+            d = tl.where(d == 0.0, d, d * (1.0 - r * r))
         if HAS_T:
             d = d * inv_t
         tl.store(db + idx, d.to(db.dtype.element_ty), mask=mask)
