@@ -149,14 +149,17 @@ def test_a_token_count_mismatch_is_reported_as_such_not_as_a_checksum():
 
 
 def test_the_exchange_row_has_the_same_length_for_every_op_and_option():
+    from vparallel_ce.options import Options
     from vparallel_ce.validate import Facts
 
     t = torch.zeros(3, dtype=torch.long)
     rows = [
-        Facts.of(op="cross_entropy", inputs=(torch.zeros(3, 4),), target=t, target_checksum=0),
-        Facts.of(op="linear_cross_entropy", sequence_parallel=True, inputs=(torch.zeros(3, 2), torch.zeros(4, 2),
-                 torch.zeros(4)), target=t, target_checksum=0, reduction="sum", chunks=3, schedule="vocab",
-                 recompute=True, fused=True, label_smoothing=0.1, softcap=2.0),
+        Facts.of(op="cross_entropy", options=Options(), inputs=(torch.zeros(3, 4),), target=t, target_checksum=0),
+        Facts.of(op="linear_cross_entropy", options=Options(
+                     sequence_parallel=True, reduction="sum", chunks=3, schedule="vocab", recompute=True,
+                     label_smoothing=0.1, softcap=2.0, with_entropy=True),
+                 inputs=(torch.zeros(3, 2), torch.zeros(4, 2), torch.zeros(4)), target=t, target_checksum=0,
+                 fused=True, matmul_dtype=torch.bfloat16),
     ]
     assert len({len(r.row()) for r in rows}) == 1
 

@@ -29,8 +29,10 @@ from . import comm, kernels, policy as _policy
 from .layout import VocabLayout
 from .policy import Plan
 from .stats import LossSpec
+from .options import Options
 from .validate import (
-    DeferredTargetCheck, Facts, agree, hidden_checksum, check_linear, check_logits, check_options, replication_checked,
+    DeferredTargetCheck, Facts, agree, check_call_options, check_linear, check_logits, hidden_checksum,
+    replication_checked,
 )
 
 __all__ = ["Call", "LogitsInputs", "LinearInputs", "logits_call", "linear_call", "autocast_dtype", "autocast_off",
@@ -94,62 +96,51 @@ class LinearInputs:
     shape: torch.Size
 
 
-def logits_call(logits, target, *, op, group, vocab_size, reduction, chunks, check, policy=None, entropy=False,
-                **loss_options) -> tuple[Call, LogitsInputs]:
+def logits_call(logits, target, *, op: str, group, options: Options) -> tuple[Call, LogitsInputs]:
     """The front door of ops over vocab-sharded logits ``[..., V_local]``. ``op``: the op's name
-    (:data:`~vparallel_ce.validate.OPS`); ``loss_options``: the math options of
-    :class:`~vparallel_ce.stats.LossSpec` the op takes; ``entropy``: the statistics carry the
-    entropy too."""
-    logits, target, group, vocab_size = _unwrap_logits(logits, target, group, vocab_size)
+    (:data:`~vparallel_ce.validate.OPS`); ``options``: what the op was given."""
+    o = options
+    logits, target, group, vocab_size = _unwrap_logits(logits, target, group, o.vocab_size)
     group = comm.resolve_group(group)
-    problem = check_options(reduction=reduction, chunks=chunks, policy=policy, vocab_size=vocab_size, check=check,
-                            **loss_options) or check_logits(logits, target)
+    problem = check_call_options(o) or check_logits(logits, target)
 
     def facts(target_checksum):  # made only for a group's exchange
-        return Facts.of(op=op, inputs=(logits,), target=target, target_checksum=target_checksum, reduction=reduction,
-                        chunks=chunks, policy=policy, entropy=entropy, **loss_options)
+        return Facts.of(op=op, options=o, inputs=(logits,), target=target, target_checksum=target_checksum)
 
     agreed = agree(problem, group, local_size=lambda: logits.shape[-1], facts=facts, device=_device(logits),
-                   vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options),
-                   policy=policy)
+                   options=o, vocab_size=vocab_size, target=target)
     lay, n = agreed.layout, target.numel()
-    plan = (policy or _policy.DEFAULT_POLICY).plan(n, lay.vocab_size, lay.world, reduction=reduction, chunks=chunks)
-    call = Call(lay, _spec(lay, loss_options, entropy), reduction, plan, bool(check), counts=(n,),
-                pending=agreed.pending)
+    plan = (o.policy or _policy.DEFAULT_POLICY).plan(n, lay.vocab_size, lay.world, reduction=o.reduction,
+                                                      chunks=o.chunks)
+    call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, counts=(n,), pending=agreed.pending)
     return call, LogitsInputs(_rows(logits, n, lay.local_size), _flat(target), target.shape)
 
 
-def linear_call(hidden, weight, target, bias, *, op, group, sequence_parallel, vocab_size, reduction, chunks, schedule,
-                recompute, policy, check, check_replicated=True, entropy=False,
-                **loss_options) -> tuple[Call, LinearInputs]:
+def linear_call(hidden, weight, target, bias, *, op: str, group, options: Options) -> tuple[Call, LinearInputs]:
     """The front door of ops over hidden states and this rank's lm_head shard ``[V_local, H]``
-    (options as in :func:`logits_call`)."""
+    (arguments as in :func:`logits_call`)."""
+    o = options
     hidden, weight, target, bias, group, dt_vocab = _unwrap_linear(hidden, weight, target, bias, group,
-                                                                   sequence_parallel)
-    vocab_size = vocab_size if dt_vocab is None else dt_vocab
+                                                                   o.sequence_parallel)
+    vocab_size = o.vocab_size if dt_vocab is None else dt_vocab
     group = comm.resolve_group(group)
     amp = autocast_dtype(weight.device) if isinstance(weight, torch.Tensor) else None
-    problem = check_options(reduction=reduction, chunks=chunks, schedule=schedule, recompute=recompute, policy=policy,
-                            check_replicated=check_replicated, vocab_size=vocab_size, check=check,
-                            sequence_parallel=sequence_parallel, **loss_options) or check_linear(
-        hidden, weight, target, bias, autocast_dtype=amp)
-    sp = bool(sequence_parallel)
-
-    fused = problem is None and kernels.fused_applies(weight.device, _matmul_dtype(weight, amp), entropy=entropy,
-                                                      temperature=float(loss_options.get("temperature", 1.0)))
+    problem = check_call_options(o) or check_linear(hidden, weight, target, bias, autocast_dtype=amp)
+    sp = o.sequence_parallel is True
+    matmul = _matmul_dtype(weight, amp) if problem is None else None
+    fused = problem is None and kernels.fused_applies(weight.device, matmul, entropy=o.with_entropy,
+                                                      temperature=float(o.temperature))
 
     def facts(target_checksum):  # made only for a group's exchange
         # replicated hidden states are checked to be so (with sequence parallelism each rank holds
         # its own tokens): a sum over [N, H] that rides on the exchange
-        replicated = hidden_checksum(hidden) if check and check_replicated and not sp and replication_checked() else 0
-        return Facts.of(op=op, sequence_parallel=sp, inputs=(hidden, weight, bias), target=target,
-                        target_checksum=target_checksum, hidden_checksum=replicated, reduction=reduction,
-                        chunks=chunks, schedule=schedule, recompute=recompute, fused=fused, policy=policy,
-                        entropy=entropy, matmul_dtype=_matmul_dtype(weight, amp), **loss_options)
+        replicated = (hidden_checksum(hidden) if o.check and o.check_replicated and not sp and replication_checked()
+                      else 0)
+        return Facts.of(op=op, options=o, inputs=(hidden, weight, bias), target=target, target_checksum=target_checksum,
+                        hidden_checksum=replicated, fused=fused, matmul_dtype=matmul)
 
     agreed = agree(problem, group, local_size=lambda: weight.shape[0], facts=facts, device=_device(weight),
-                   vocab_size=vocab_size, check=check, target=target, ignore_index=_ignore_index(loss_options),
-                   policy=policy)
+                   options=o, vocab_size=vocab_size, target=target)
     lay, pending, n = agreed.layout, agreed.pending, target.numel()
     sp = sp and lay.sharded
     if not sp:
@@ -158,11 +149,10 @@ def linear_call(hidden, weight, target, bias, *, op, group, sequence_parallel, v
         counts = agreed.counts
     else:  # check=False with a known vocab size: no exchange so far
         counts = tuple(row[0] for row in comm.all_gather_ints([n], lay.group, weight.device))
-    plan = (policy or _policy.DEFAULT_POLICY).plan(
-        sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1], reduction=reduction, chunks=chunks,
-        schedule=schedule, recompute=recompute, fused=fused)
-    call = Call(lay, _spec(lay, loss_options, entropy), reduction, plan, bool(check), sp, counts,
-                _matmul_dtype(weight, amp), pending)
+    plan = (o.policy or _policy.DEFAULT_POLICY).plan(
+        sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1], reduction=o.reduction, chunks=o.chunks,
+        schedule=o.schedule, recompute=o.recompute, fused=fused)
+    call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, sp, counts, matmul, pending)
     inputs = LinearInputs(_rows(hidden, n, weight.shape[-1]), weight, bias, _flat(target), target.shape)
     return call, inputs
 
@@ -202,15 +192,9 @@ _AUTOCAST_TYPES = ("cuda", "cpu", "xpu", "hpu", "mps")
 _NO_CONTEXT = contextlib.nullcontext()
 
 
-def _spec(lay: VocabLayout, options: dict, entropy: bool) -> LossSpec:
-    softcap = options.get("softcap")
-    return LossSpec(lay.vocab_size, _ignore_index(options), float(options.get("label_smoothing", 0.0)),
-                    float(options.get("z_loss", 0.0)), None if softcap is None else float(softcap),
-                    float(options.get("temperature", 1.0)), bool(entropy))
-
-
-def _ignore_index(options: dict) -> int:
-    return int(options.get("ignore_index", -100))
+def _spec(lay: VocabLayout, o: Options) -> LossSpec:
+    return LossSpec(lay.vocab_size, o.ignore_index, float(o.label_smoothing), float(o.z_loss),
+                    None if o.softcap is None else float(o.softcap), float(o.temperature), o.with_entropy)
 
 
 def _device(t) -> torch.device:

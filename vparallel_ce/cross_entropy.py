@@ -16,6 +16,7 @@ import torch
 from . import kernels
 from .second_order import first_order_only
 from .call import Call, autocast_off, logits_call
+from .options import Options
 from .policy import ChunkPolicy
 from .stats import (
     GradCoefs, TokenStats, combine, local_targets, reduce, scale_coefs, token_loss, token_slices, unit_loss_coefs,
@@ -66,10 +67,9 @@ def cross_entropy(
         gathered, soft-capped fp32 logits; the gradient of each rank's shard is that shard's slice
         of the gradient of that one loss, in the logits' dtype.
     """
-    call, inp = logits_call(logits, target, op="cross_entropy",
-                            group=group, vocab_size=vocab_size, reduction=reduction, chunks=chunks,
-                            check=check, policy=policy, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                            z_loss=z_loss, softcap=softcap)
+    options = Options(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                      softcap=softcap, chunks=chunks, policy=policy, vocab_size=vocab_size, check=check)
+    call, inp = logits_call(logits, target, op="cross_entropy", group=group, options=options)
     out = _CrossEntropy.apply(inp.x, inp.target, call)
     return out.reshape(inp.shape) if reduction == "none" else out
 

@@ -43,6 +43,7 @@ from . import comm, kernels, policy as _policy
 from .policy import GradMode
 from .second_order import first_order_only
 from .call import Call, autocast_off, linear_call
+from .options import Options
 from .layout import aligned_parts, vocab_blocks
 from .stats import (
     GradCoefs, block_targets, combine, compute_dtype, local_targets, merge, reduce, scale_coefs, token_loss,
@@ -109,11 +110,11 @@ def linear_cross_entropy(
         its input's dtype: ``weight.grad``/``bias.grad`` are this shard's; ``hidden.grad`` is the full
         gradient (summed over the group), or this rank's token rows of it with ``sequence_parallel``.
     """
-    call, inp = linear_call(hidden, weight, target, bias, op="linear_cross_entropy",
-                            group=group, sequence_parallel=sequence_parallel,
-                            vocab_size=vocab_size, reduction=reduction, chunks=chunks, schedule=schedule,
-                            recompute=recompute, policy=policy, check=check, check_replicated=check_replicated,
-                            ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
+    options = Options(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                      softcap=softcap, chunks=chunks, schedule=schedule, recompute=recompute, policy=policy,
+                      vocab_size=vocab_size, sequence_parallel=sequence_parallel, check=check,
+                      check_replicated=check_replicated)
+    call, inp = linear_call(hidden, weight, target, bias, op="linear_cross_entropy", group=group, options=options)
     out = _LinearCrossEntropy.apply(inp.h, inp.w, inp.b, inp.target, call)
     return out.reshape(inp.shape) if reduction == "none" else out
 

@@ -25,6 +25,7 @@ import torch
 from . import kernels
 from .second_order import first_order_only
 from .call import Call, autocast_off, linear_call, logits_call
+from .options import Options
 from .cross_entropy import logits_gradient, logits_statistics
 from .linear import Grads, KeptLogits, Schedule, matmul_inputs
 from .policy import ChunkPolicy
@@ -61,10 +62,9 @@ def token_logprobs(
         ``logprobs`` of ``target``'s shape, fp32 (fp64 for fp64 logits); with ``with_entropy`` the
         pair ``(logprobs, entropy)``. Equal to ``-cross_entropy(logits / T, target, reduction="none")``.
     """
-    call, inp = logits_call(logits, target, op="token_logprobs",
-                            group=group, vocab_size=vocab_size, reduction="none", chunks=chunks,
-                            check=check, policy=policy, entropy=with_entropy, ignore_index=ignore_index,
-                            temperature=temperature)
+    options = Options(reduction="none", ignore_index=ignore_index, temperature=temperature, with_entropy=with_entropy,
+                      chunks=chunks, policy=policy, vocab_size=vocab_size, check=check)
+    call, inp = logits_call(logits, target, op="token_logprobs", group=group, options=options)
     logp, entropy = _TokenLogprobs.apply(inp.x, inp.target, call)
     logp = logp.reshape(inp.shape)
     return (logp, entropy.reshape(inp.shape)) if with_entropy else logp
@@ -104,11 +104,10 @@ def linear_token_logprobs(
         shape. Gradients: ``weight.grad``/``bias.grad`` this shard's, ``hidden.grad`` the full one
         (this rank's rows with ``sequence_parallel``), each in its input's dtype.
     """
-    call, inp = linear_call(hidden, weight, target, bias, op="linear_token_logprobs",
-                            group=group, sequence_parallel=sequence_parallel,
-                            vocab_size=vocab_size, reduction="none", chunks=chunks, schedule="auto", recompute=None,
-                            policy=policy, check=check, check_replicated=check_replicated, entropy=with_entropy,
-                            ignore_index=ignore_index, temperature=temperature)
+    options = Options(reduction="none", ignore_index=ignore_index, temperature=temperature, with_entropy=with_entropy,
+                      chunks=chunks, policy=policy, vocab_size=vocab_size, sequence_parallel=sequence_parallel,
+                      check=check, check_replicated=check_replicated)
+    call, inp = linear_call(hidden, weight, target, bias, op="linear_token_logprobs", group=group, options=options)
     logp, entropy = _LinearTokenLogprobs.apply(inp.h, inp.w, inp.b, inp.target, call)
     logp = logp.reshape(inp.shape)
     return (logp, entropy.reshape(inp.shape)) if with_entropy else logp

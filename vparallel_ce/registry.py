@@ -32,6 +32,7 @@ from .call import is_dtensor
 from .cross_entropy import cross_entropy
 from .layout import VocabLayout, shard_sizes
 from .linear import linear_cross_entropy
+from .options import Options
 from .stats import compute_dtype
 from .validate import check_options
 
@@ -102,28 +103,25 @@ class PlainCrossEntropy(_LossModule):
     OPTIONS = frozenset({"group", "ignore_index", "reduction", "label_smoothing", "z_loss", "softcap"})
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        opts = dict(self.options)
-        group = comm.resolve_group(opts.pop("group", None))
+        o = Options(**{k: v for k, v in self.options.items() if k != "group"})
+        group = comm.resolve_group(self.options.get("group"))
         if is_dtensor(logits):
             logits = logits.full_tensor()
         elif comm.is_sharded(group):
             logits = _gather_vocab(logits, group)
         if is_dtensor(target):
             target = target.full_tensor()
-        z_loss, softcap = opts.pop("z_loss", 0.0), opts.pop("softcap", None)
-        reduction = opts.pop("reduction", "mean")
-        ignore_index = opts.get("ignore_index", -100)
         z = logits.to(compute_dtype(logits.dtype)).reshape(-1, logits.shape[-1])
-        if softcap is not None:
-            z = softcap * torch.tanh(z / softcap)
+        if o.softcap is not None:
+            z = o.softcap * torch.tanh(z / o.softcap)
         t = target.reshape(-1)
-        per = F.cross_entropy(z, t, reduction="none", **opts)
-        valid = t != ignore_index
-        if z_loss:
-            per = per + z_loss * torch.logsumexp(z, -1).square() * valid
-        if reduction == "none":
+        per = F.cross_entropy(z, t, reduction="none", ignore_index=o.ignore_index, label_smoothing=o.label_smoothing)
+        valid = t != o.ignore_index
+        if o.z_loss:
+            per = per + o.z_loss * torch.logsumexp(z, -1).square() * valid
+        if o.reduction == "none":
             return per.reshape(target.shape)
-        return per.sum() / valid.sum() if reduction == "mean" else per.sum()
+        return per.sum() / valid.sum() if o.reduction == "mean" else per.sum()
 
 
 def _gather_vocab(x: torch.Tensor, group) -> torch.Tensor:

@@ -24,11 +24,12 @@ import torch
 
 from . import comm, kernels
 from .layout import VocabLayout, shard_sizes
+from .options import Options
 from .policy import DEFAULT_POLICY, ChunkPolicy
 from .stats import REDUCTIONS
 
 __all__ = [
-    "Problem", "InvalidInputError", "DeferredTargetCheck", "check_options", "check_logits", "check_linear", "agree",
+    "Problem", "InvalidInputError", "DeferredTargetCheck", "check_options", "check_call_options", "check_logits", "check_linear", "agree",
     "Agreement", "Facts", "target_checksum", "word_checksum", "hidden_checksum", "OPS", "SCHEDULES",
 ]
 
@@ -121,6 +122,7 @@ _OPTION_CHECKS = {
     "check": (lambda v: isinstance(v, bool), "True or False"),
     "sequence_parallel": (lambda v: isinstance(v, bool), "True or False"),
     "vocab_size": (lambda v: v is None or _is_int(v, 1, 2**62), "a positive int or None"),
+    "with_entropy": (lambda v: isinstance(v, bool), "True or False"),
 }
 
 
@@ -155,6 +157,11 @@ def check_options(**options) -> Problem | None:
         return Problem(ValueError, "recompute=False (gradients made in forward) needs reduction 'mean' or 'sum': "
                                    "with reduction='none' the upstream gradient is only known in backward")
     return None
+
+
+def check_call_options(options: Options) -> Problem | None:
+    """:func:`check_options` of every field of a call's :class:`~vparallel_ce.options.Options`."""
+    return check_options(**options.as_kwargs())
 
 
 def _check_target(target, token_shape, what: str, device) -> Problem | None:
@@ -319,26 +326,25 @@ class Facts:
     hidden_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
 
     @classmethod
-    def of(cls, *, op: str, sequence_parallel: bool = False, inputs: tuple, target: torch.Tensor,
-           target_checksum, hidden_checksum=_NO_FACT, reduction: str = "none", chunks="auto", schedule: str = "auto",
-           recompute: bool | None = None, fused: bool = False, policy: ChunkPolicy | None = None,
-           ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0, softcap=None,
-           temperature: float = 1.0, entropy: bool = False, matmul_dtype: torch.dtype | None = None) -> "Facts":
+    def of(cls, *, op: str, options: Options, inputs: tuple, target: torch.Tensor, target_checksum,
+           hidden_checksum=_NO_FACT, fused: bool = False, matmul_dtype: torch.dtype | None = None) -> "Facts":
         """``inputs``: the op's float inputs, ``(logits,)`` or ``(hidden, weight, bias)``;
-        ``matmul_dtype``: the linear ops' (None for the logits ops)."""
+        ``fused``, ``matmul_dtype``: the linear ops' kernels and lm_head matmul dtype (False and
+        None for the logits ops)."""
+        o = options
         first, weight, bias = (*inputs, None, None)[:3]
         grads = int(torch.is_grad_enabled())
         for i, t in enumerate((first, weight, bias)):
             grads |= int(t is not None and t.requires_grad) << (i + 1)
         return cls(
-            OPS.index(op), int(bool(sequence_parallel)), _dtype_code(first.dtype),
+            OPS.index(op), int(bool(o.sequence_parallel)), _dtype_code(first.dtype),
             _dtype_code(None if weight is None else weight.dtype), _dtype_code(None if bias is None else bias.dtype),
-            _dtype_code(target.dtype), -1 if weight is None else weight.shape[-1], grads, REDUCTIONS.index(reduction),
-            -1 if chunks == "auto" else int(chunks), SCHEDULES.index(schedule),
-            {None: -1, False: 0, True: 1}[recompute],
-            int(bool(fused)), int(ignore_index), _float_code(label_smoothing), _float_code(z_loss),
-            _NO_SOFTCAP if softcap is None else _float_code(softcap), _float_code(temperature),
-            int(bool(entropy)), _dtype_code(matmul_dtype), _policy_code(policy), target.numel(), target_checksum,
+            _dtype_code(target.dtype), -1 if weight is None else weight.shape[-1], grads,
+            REDUCTIONS.index(o.reduction), -1 if o.chunks == "auto" else int(o.chunks), SCHEDULES.index(o.schedule),
+            {None: -1, False: 0, True: 1}[o.recompute], int(bool(fused)), int(o.ignore_index),
+            _float_code(o.label_smoothing), _float_code(o.z_loss),
+            _NO_SOFTCAP if o.softcap is None else _float_code(o.softcap), _float_code(o.temperature),
+            int(o.with_entropy), _dtype_code(matmul_dtype), _policy_code(o.policy), target.numel(), target_checksum,
             hidden_checksum)
 
     def row(self) -> list:
@@ -374,11 +380,9 @@ def agree(
     local_size: Callable[[], int],
     facts: Callable[[torch.Tensor], Facts],
     device,
+    options: Options,
     vocab_size: int | None,
-    check: bool,
-    target: torch.Tensor | None = None,
-    ignore_index: int = -100,
-    policy: ChunkPolicy | None = None,
+    target: torch.Tensor,
 ) -> Agreement:
     """The one metadata exchange of a call: raise ``problem`` on every rank, check that the ranks
     agree on the call's :class:`Facts` and that the shard sizes form the torch.chunk layout.
@@ -390,22 +394,23 @@ def agree(
         facts: makes this rank's :class:`Facts` from its target checksum -- only for an exchange
             (at world 1 they would be host time before the first GEMM), and only when ``problem``
             is None (a rank with bad input sends zeros: the row has the same length either way).
-        vocab_size: the global vocab size if the caller knows it (a DTensor does).
-        check: exchange (one all-gather of a fixed number of int64s) and check. Needed anyway when
-            ``vocab_size`` is unknown; skipped otherwise with ``check=False``, and then a problem
-            raises locally.
-        target, ignore_index: the target (its checksum is compared); with ``check``, every valid
-            id of every rank's ``target`` must lie in ``[0, V)``: checked here on a group; at world
-            1 by the returned :attr:`Agreement.pending`, which the op settles.
-        policy: this rank's chunk policy, shown field by field if the ranks' policies differ.
+        options: the call's options. ``check``: exchange (one all-gather of a fixed number of
+            int64s) and check; needed anyway when the vocab size is unknown, skipped otherwise with
+            ``check=False``, and then a problem raises locally. ``policy``: shown field by field if
+            the ranks' policies differ.
+        vocab_size: the global vocab size if the caller knows it (given, or a DTensor's).
+        target: the target (its checksum is compared); with ``check``, every valid id (not
+            ``ignore_index``) of every rank's ``target`` must lie in ``[0, V)``: checked here on a
+            group; at world 1 by the returned :attr:`Agreement.pending`, which the op settles.
     """
+    check, ignore_index, policy = options.check, options.ignore_index, options.policy
     world = comm.world_size(group)
     # only check=False with a known vocab size skips the exchange (a check that is not a bool is a
     # problem to report through it)
     exchange = check is not False or vocab_size is None
     if problem is not None and (world == 1 or not exchange):
         problem.raise_()
-    span = check and target is not None
+    span = check is True
     if world == 1:
         v = local_size() if vocab_size is None else vocab_size
         if v != local_size():

@@ -1,0 +1,58 @@
+"""The keyword options of one call, as one frozen value.
+
+Each public op takes its options as keyword arguments (the names ``F.cross_entropy`` and the
+frameworks use) and packs them into one :class:`Options` right away; from there on the front door
+(:mod:`vparallel_ce.call`), the checks and the cross-rank facts (:mod:`vparallel_ce.validate`) read
+its fields. The defaults are written here once: an op that does not take an option (the log-prob
+ops have no ``label_smoothing``, the logits ops no ``schedule``) leaves the field at its default,
+which is the same on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from .policy import ChunkPolicy
+
+__all__ = ["Options", "OPTION_NAMES"]
+
+
+@dataclass(frozen=True)
+class Options:
+    """A call's options as the user gave them (checked by
+    :func:`vparallel_ce.validate.check_call_options`, not here: a bad value is reported on every
+    rank through the call's exchange, not raised by one rank while building this).
+
+    Attributes:
+        reduction, ignore_index, label_smoothing: as in ``F.cross_entropy``.
+        z_loss, softcap: the loss' extra terms (:func:`vparallel_ce.cross_entropy`).
+        temperature, with_entropy: the log-prob ops' distribution and whether the entropy is made.
+        chunks, schedule, recompute, policy: how the work is planned
+            (:meth:`vparallel_ce.policy.ChunkPolicy.plan`).
+        vocab_size: the global vocab size, if the caller states it.
+        sequence_parallel: hidden and target are this rank's token shard (linear ops).
+        check, check_replicated: the call's exchange and checks, and the replicated-hidden check.
+    """
+
+    reduction: str = "mean"
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: float | None = None
+    temperature: float = 1.0
+    with_entropy: bool = False
+    chunks: int | str = "auto"
+    schedule: str = "auto"
+    recompute: bool | None = None
+    policy: ChunkPolicy | None = None
+    vocab_size: int | None = None
+    sequence_parallel: bool = False
+    check: bool = True
+    check_replicated: bool = True
+
+    def as_kwargs(self) -> dict:
+        """The fields by name (what :func:`vparallel_ce.validate.check_options` takes)."""
+        return {name: getattr(self, name) for name in OPTION_NAMES}
+
+
+OPTION_NAMES = tuple(f.name for f in fields(Options))
