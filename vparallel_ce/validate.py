@@ -29,8 +29,9 @@ from .policy import DEFAULT_POLICY, ChunkPolicy
 from .stats import REDUCTIONS
 
 __all__ = [
-    "Problem", "InvalidInputError", "DeferredTargetCheck", "check_options", "check_call_options", "check_logits", "check_linear", "agree",
-    "Agreement", "Facts", "target_checksum", "word_checksum", "hidden_checksum", "OPS", "SCHEDULES",
+    "Problem", "InvalidInputError", "DeferredTargetCheck", "check_options", "check_call_options", "check_logits",
+    "check_linear", "agree", "Agreement", "Facts", "target_checksum", "word_checksum", "hidden_checksum", "OPS",
+    "SCHEDULES",
 ]
 
 SCHEDULES = ("auto", "token", "vocab")
@@ -319,8 +320,8 @@ class Facts:
     matmul_dtype: int = _shown(_show_dtype)
     chunk_policy: int = _shown(lambda c: f"a ChunkPolicy with CRC {c}")
     token_count: int = _shown(str, per_rank=True)
-    # position-sensitive: a permutation of the ids, or ids shifted by one, is a different checksum
-    # (target_checksum)
+    # position-sensitive (target_checksum): a permutation of the ids, or ids shifted by one, is a
+    # different checksum
     target_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
     # hidden states must be replicated over the group (hidden_checksum: position-sensitive, exact)
     hidden_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
