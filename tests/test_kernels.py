@@ -4,13 +4,15 @@
 On CPU the kernels run under the Triton interpreter. ``TRITON_INTERPRET=1`` must be set before
 triton is first imported, and pytest-xdist shares worker processes between modules, so the checks
 run in a fresh subprocess. With CUDA, the full ops are also compared, Triton path vs
-``VPARALLEL_CE_KERNELS=torch``.
+``kernels.use("torch")``. Also here: the kernel settings (read from the environment once, at import;
+set for a block with ``kernels.use``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -145,11 +147,11 @@ _INTERPRETER_CHECKS = textwrap.dedent(
     for r, g in zip(stats.local_stats(view, lt, own, spec), tc.local_stats(view, lt, own, spec)):
         torch.testing.assert_close(g, r)
     # the dispatcher picks the triton ops when asked
-    os.environ["VPARALLEL_CE_KERNELS"] = "triton"
     from vparallel_ce import kernels
-    assert kernels.ops_for(big).name == "triton+fused"
-    os.environ["VPARALLEL_CE_FUSED"] = "0"  # the row passes alone
-    assert kernels.ops_for(big).name == "triton" and kernels.ops_for(big).fused is None
+    with kernels.use("triton"):
+        assert kernels.ops_for(big).name == "triton+fused"
+        with kernels.use(fused=False):  # the row passes alone
+            assert kernels.ops_for(big).name == "triton" and kernels.ops_for(big).fused is None
     print("KERNEL_CHECKS_OK", ran)
     """
 )
@@ -181,19 +183,21 @@ def test_kernels_match_torch_ops_in_interpreter():
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _run_both(fn, monkeypatch):
+def _run_both(fn):
     """``fn()`` on the triton path and on the torch path: (outputs, grads) of each."""
+    from vparallel_ce import kernels
+
     out = {}
     for choice in ("triton", "torch"):
-        monkeypatch.setenv("VPARALLEL_CE_KERNELS", choice)
-        out[choice] = fn()
+        with kernels.use(choice):  # forward and backward alike
+            out[choice] = fn()
     return out["triton"], out["torch"]
 
 
 @cuda
 @pytest.mark.parametrize("opts", [{}, dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cross_entropy_triton_vs_torch(monkeypatch, opts, dtype):
+def test_cross_entropy_triton_vs_torch(opts, dtype):
     from vparallel_ce import cross_entropy
 
     torch.manual_seed(0)
@@ -207,7 +211,7 @@ def test_cross_entropy_triton_vs_torch(monkeypatch, opts, dtype):
         loss.backward()
         return loss.detach(), x.grad
 
-    (la, ga), (lb, gb) = _run_both(fn, monkeypatch)
+    (la, ga), (lb, gb) = _run_both(fn)
     torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ga.float(), gb.float(), rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-6)
 
@@ -216,7 +220,7 @@ def test_cross_entropy_triton_vs_torch(monkeypatch, opts, dtype):
 @pytest.mark.parametrize("schedule,recompute,chunks", [("token", False, 4), ("token", True, 4), ("vocab", None, 4),
                                                        ("token", None, 1)])
 @pytest.mark.parametrize("opts", [{}, dict(label_smoothing=0.1, z_loss=1e-4, softcap=30.0)])
-def test_linear_cross_entropy_triton_vs_torch(monkeypatch, schedule, recompute, chunks, opts):
+def test_linear_cross_entropy_triton_vs_torch(schedule, recompute, chunks, opts):
     # chunks=1 at an aligned width: the kept logits turned into their gradient by the one-pass kernel
     from vparallel_ce import linear_cross_entropy
 
@@ -239,7 +243,7 @@ def test_linear_cross_entropy_triton_vs_torch(monkeypatch, schedule, recompute, 
     h64, w64 = h0.double().requires_grad_(), w0.double().requires_grad_()
     ref = reference_loss(h64 @ w64.T, target, **opts)
     (ref / 3).backward()
-    a, b = _run_both(fn, monkeypatch)
+    a, b = _run_both(fn)
     for name, got_a, got_b, truth in zip(("loss", "dh", "dW"), a, b, (ref.detach(), h64.grad, w64.grad)):
         err_a = float((got_a.double() - truth).norm() / truth.norm())
         err_b = float((got_b.double() - truth).norm() / truth.norm())
@@ -347,3 +351,153 @@ def test_target_facts_kernel_on_cuda():
     proc = subprocess.run([sys.executable, "-c", _TARGET_FACTS_CHECKS, "cuda"], capture_output=True, text=True,
                           cwd=ROOT, timeout=300)
     assert proc.returncode == 0 and "TARGET_FACTS_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+# ------------------------------------------------------------------------------------- the settings
+
+_SETTINGS_FROM_ENVIRONMENT = textwrap.dedent(
+    r"""
+    import os
+    import torch
+    from vparallel_ce import kernels
+    # set before the process started: read at import
+    found = kernels.settings()
+    assert found == kernels.KernelSettings(kernels.KernelChoice.TORCH, fused=False, warp_specialized=True), found
+    # changed afterwards: no effect on the settings of any later call
+    os.environ["VPARALLEL_CE_KERNELS"] = "triton"
+    os.environ["VPARALLEL_CE_FUSED"] = "1"
+    del os.environ["VPARALLEL_CE_FUSED_WS"]
+    assert kernels.settings() == found
+    assert kernels.ops_for(torch.zeros(2, 3)) is kernels.TORCH_OPS
+    assert not kernels.fused_applies("cuda", torch.bfloat16)
+    print("SETTINGS_OK")
+    """
+)
+
+
+def test_settings_come_from_the_environment_at_import_only():
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "VPARALLEL_CE_KERNELS": "torch", "VPARALLEL_CE_FUSED": "0",
+           "VPARALLEL_CE_FUSED_WS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _SETTINGS_FROM_ENVIRONMENT], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0 and "SETTINGS_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_environment_changes_after_import_change_no_choice(monkeypatch):
+    from vparallel_ce import kernels
+
+    x = torch.zeros(2, 3)
+    before, ops = kernels.settings(), kernels.ops_for(x)
+    monkeypatch.setenv("VPARALLEL_CE_KERNELS", "torch" if before.choice is kernels.KernelChoice.TRITON else "triton")
+    monkeypatch.setenv("VPARALLEL_CE_FUSED", "1" if not before.fused else "0")
+    monkeypatch.setenv("VPARALLEL_CE_FUSED_WS", "1" if not before.warp_specialized else "0")
+    assert kernels.settings() == before
+    assert kernels.ops_for(x) is ops
+
+
+def test_use_sets_the_backend_for_its_block_and_restores_it():
+    from vparallel_ce import kernels
+
+    x = torch.zeros(2, 3)
+    before = kernels.settings()
+    with kernels.use("triton") as chosen:
+        assert kernels.settings() == chosen == kernels.KernelSettings("triton", before.fused, before.warp_specialized)
+        assert kernels.ops_for(x).name.startswith("triton")  # CPU tensors too, when asked
+        with kernels.use("torch"):
+            assert kernels.ops_for(x) is kernels.TORCH_OPS
+            assert not kernels.fused_applies("cuda", torch.bfloat16)
+        assert kernels.ops_for(x).name.startswith("triton")
+        with kernels.use(fused=False):  # only what is given changes
+            assert kernels.settings().choice is kernels.KernelChoice.TRITON
+            assert kernels.ops_for(x).name == "triton" and kernels.ops_for(x).fused is None
+    assert kernels.settings() == before
+    with pytest.raises(RuntimeError, match="inside"):  # an exception leaves the block's settings too
+        with kernels.use(kernels.KernelChoice.TORCH, fused=False, warp_specialized=True):
+            raise RuntimeError("inside")
+    assert kernels.settings() == before
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(kernels="cuda"), "kernels must be one of 'auto', 'torch', 'triton', got 'cuda'"),
+    (dict(kernels="Torch"), "got 'Torch'"),
+    (dict(fused=1), "fused must be True or False, got 1"),
+    (dict(warp_specialized="yes"), "warp_specialized must be True or False, got 'yes'"),
+])
+def test_use_rejects_bad_arguments_when_called(kwargs, message):
+    from vparallel_ce import kernels
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        kernels.use(**kwargs)  # before any block is entered
+
+
+def test_settings_from_an_environment():
+    from vparallel_ce.kernels import KernelChoice, KernelSettings
+
+    assert KernelSettings.from_environment({}) == KernelSettings(KernelChoice.AUTO, True, False)
+    env = {"VPARALLEL_CE_KERNELS": "", "VPARALLEL_CE_FUSED": "0", "VPARALLEL_CE_FUSED_WS": "1"}
+    assert KernelSettings.from_environment(env) == KernelSettings(KernelChoice.AUTO, False, True)
+    with pytest.raises(ValueError, match=re.escape("VPARALLEL_CE_KERNELS must be one of 'auto', 'torch', 'triton', "
+                                                   "got 'cpu'")):
+        KernelSettings.from_environment({"VPARALLEL_CE_KERNELS": "cpu"})
+    with pytest.raises(ValueError, match=re.escape("VPARALLEL_CE_FUSED must be 0 or 1, got 'false'")):
+        KernelSettings.from_environment({"VPARALLEL_CE_FUSED": "false"})
+    with pytest.raises(ValueError, match=re.escape("KernelSettings.fused must be True or False, got 'no'")):
+        KernelSettings(fused="no")
+
+
+class _Probe(torch.autograd.Function):
+    """Records the kernel settings its backward runs with."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        from vparallel_ce import kernels
+
+        _Probe.seen.append(kernels.settings())
+        return g * 2
+
+
+def test_a_backward_on_a_thread_without_a_block_gets_the_open_one(monkeypatch):
+    # what autograd's own (CUDA) threads get where torch does not keep the context that called
+    # backward(): the innermost block open in the process; outside a backward, that thread's own
+    import contextvars
+    import threading
+
+    from vparallel_ce import kernels
+
+    monkeypatch.setattr(torch._C, "_is_key_in_tls", lambda key: False, raising=False)
+    monkeypatch.setattr(_Probe, "seen", [])
+    before = kernels.settings()
+    outside = []
+
+    def run():
+        _Probe.apply(torch.ones(3, requires_grad=True)).sum().backward()
+        outside.append(kernels.settings())
+
+    with kernels.use("torch", fused=False) as chosen:
+        worker = threading.Thread(target=contextvars.Context().run, args=(run,))  # a context with no block
+        worker.start()
+        worker.join()
+    assert _Probe.seen == [chosen] and outside == [before]
+
+
+@cuda
+def test_backward_on_the_autograd_device_thread_sees_the_block_settings(monkeypatch):
+    # autograd runs a CUDA graph's backward on a thread of its own: a use block around backward()
+    # must still decide the kernels there, as it does for the forward
+    from vparallel_ce import kernels
+
+    seen = []
+    monkeypatch.setattr(_Probe, "seen", seen)
+    x = torch.ones(4, device="cuda", requires_grad=True)
+    with kernels.use("torch", fused=False) as chosen:
+        _Probe.apply(x).sum().backward()
+    assert seen == [chosen]
+    _Probe.apply(x).sum().backward()
+    assert seen[-1] == kernels.settings()

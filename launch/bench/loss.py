@@ -32,9 +32,9 @@ Run from the repository root (the results page's lines: ``launch/bench/results/l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
-import os
 import time
 import traceback
 
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 import vparallel_ce
 from launch.bench.timing import sync, time_and_peak
-from vparallel_ce import policy as _policy
+from vparallel_ce import kernels, policy as _policy
 
 SHAPES = {
     "llama3_8b": (8192, 4096, 128256),
@@ -109,17 +109,12 @@ def make_method(name: str, device: torch.device):
         policy = _budget_policy(name)
 
         def ours(h, w, t):
-            fused = os.environ.get("VPARALLEL_CE_FUSED")
-            if variant == "unfused":  # cuBLAS + the row passes where the fused GEMM kernels would run
-                os.environ["VPARALLEL_CE_FUSED"] = "0"
-            try:
-                return vparallel_ce.linear_cross_entropy(h, w, t, chunks=chunks, schedule=schedule, check=check,
-                                                         policy=policy)
-            finally:
-                if variant == "unfused":
-                    os.environ.pop("VPARALLEL_CE_FUSED", None) if fused is None else os.environ.update(
-                        VPARALLEL_CE_FUSED=fused)
+            return vparallel_ce.linear_cross_entropy(h, w, t, chunks=chunks, schedule=schedule, check=check,
+                                                     policy=policy)
 
+        # the kernel settings run_once holds over the forward and its backward alike: unfused is
+        # cuBLAS + the row passes where the fused GEMM kernels would run
+        ours.kernels = kernels.use(fused=False) if variant == "unfused" else contextlib.nullcontext()
         return ours
     raise ValueError(f"unknown method {name!r}")
 
@@ -143,7 +138,7 @@ def ours_plan(name: str, n: int, hdim: int, v: int, device) -> str:
     if not name.startswith("ours:"):
         return ""
     schedule, chunks, variant = _ours(name)
-    fused = variant != "unfused" and vparallel_ce.kernels.fused_applies(device, torch.bfloat16)
+    fused = variant != "unfused" and kernels.fused_applies(device, torch.bfloat16)
     plan = _policy.choose_plan(n, v, 1, hidden_size=hdim, schedule=schedule, chunks=chunks, fused=fused,
                                policy=_budget_policy(name))
     how = "fwd" if plan.grad_in_forward else "kept" if plan.keep_logits else "re"
@@ -193,7 +188,7 @@ _LOGITS = {}
 
 def _kernels(h, w, t):
     """Our two per-chunk kernels alone over the full logits (computed once, outside the timing)."""
-    from vparallel_ce import kernels, stats
+    from vparallel_ce import stats
 
     key = (h.data_ptr(), w.data_ptr())
     if key not in _LOGITS:
@@ -215,8 +210,9 @@ def run_once(fn, h, w, t):
         with torch.no_grad():
             out = (_gemm3 if fn == "gemm3" else _kernels)(h, w, t)
         return None, out
-    loss = fn(h, w, t)
-    loss.backward()
+    with getattr(fn, "kernels", contextlib.nullcontext()):  # a method's own kernel settings (ours)
+        loss = fn(h, w, t)
+        loss.backward()
     return loss, None
 
 

@@ -1,4 +1,4 @@
-"""Implementations of the two per-chunk steps of :mod:`vparallel_ce.stats`.
+"""Implementations of the two per-chunk steps of :mod:`vparallel_ce.stats`, and the settings that pick one.
 
 ``ops_for(tensor)`` returns a :class:`KernelBackend`: ``local_stats``, ``grad_logits``,
 ``loss_stats_grad_`` and ``scale_rows`` of exactly the signatures in :mod:`vparallel_ce.stats`. The
@@ -6,22 +6,201 @@ torch versions there are the reference and the CPU path; Triton kernels replace 
 available. The Triton backend also has ``grad_logits_`` (written over logits the op owns) and, as
 ``fused`` (:class:`FusedLinear`, :mod:`.fused_linear`), the lm_head GEMM with either step in its
 epilogue, which ``linear_cross_entropy`` uses wherever it would recompute logits, where
-``fused.covers(h, w, spec)`` is true. Set
-``VPARALLEL_CE_KERNELS=torch`` to force the reference path, ``VPARALLEL_CE_FUSED=0`` to keep
-cuBLAS + the row passes.
+``fused.covers(h, w, spec)`` is true.
+
+Which backend runs is decided by a :class:`KernelSettings` (:func:`settings`): made from the
+environment once, when this module is imported (``VPARALLEL_CE_KERNELS=auto|torch|triton``,
+``VPARALLEL_CE_FUSED=0|1``, ``VPARALLEL_CE_FUSED_WS=0|1``), and changed for a block of code with
+:func:`use`. Changing ``os.environ`` later has no effect, so one process cannot switch plans by
+accident halfway through.
 """
 
 from __future__ import annotations
 
+import contextvars
+import enum
+import functools
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
 
 from .. import stats
 
-__all__ = ["KernelBackend", "FusedLinear", "ops_for", "fused_applies", "target_facts", "word_checksum", "TORCH_OPS"]
+__all__ = ["KernelChoice", "KernelSettings", "settings", "use", "KernelBackend", "FusedLinear", "ops_for",
+           "fused_applies", "target_facts", "word_checksum", "TORCH_OPS"]
+
+
+# ----------------------------------------------------------------------------------------- settings
+
+
+class KernelChoice(enum.Enum):
+    """Which implementation of the per-chunk steps :func:`ops_for` returns."""
+
+    AUTO = "auto"  # Triton for CUDA tensors in fp16 / bf16 / fp32 where it imports, else torch
+    TORCH = "torch"  # the torch reference everywhere
+    TRITON = "triton"  # Triton wherever it imports (CPU tensors run it under TRITON_INTERPRET=1)
+
+
+_ENV_KERNELS = "VPARALLEL_CE_KERNELS"
+_ENV_FUSED = "VPARALLEL_CE_FUSED"
+_ENV_WS = "VPARALLEL_CE_FUSED_WS"
+
+
+def _choice(value, what: str) -> KernelChoice:
+    if isinstance(value, KernelChoice):
+        return value
+    try:
+        return KernelChoice(value)
+    except ValueError:
+        names = ", ".join(repr(c.value) for c in KernelChoice)
+        raise ValueError(f"{what} must be one of {names}, got {value!r}") from None
+
+
+def _flag(value, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} must be True or False, got {value!r}")
+    return value
+
+
+def _env_flag(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    value = environ.get(name, "")
+    if value == "":  # unset, or set empty (``VAR= cmd``): the default
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """What decides the kernels of a call.
+
+    ``choice``: the backend (:class:`KernelChoice`). ``fused``: whether ``linear_cross_entropy``
+    may run the lm_head GEMM fused with the row passes where it recomputes logits (False: cuBLAS +
+    the row passes everywhere, and the plan of an unfused call). ``warp_specialized``: whether the
+    ``"ws"`` tile schedule of :mod:`.fused_linear` may run on a GPU (it faulted on an H200 with
+    Triton 3.6; the interpreter runs it regardless)."""
+
+    choice: KernelChoice = KernelChoice.AUTO
+    fused: bool = True
+    warp_specialized: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "choice", _choice(self.choice, "KernelSettings.choice"))
+        _flag(self.fused, "KernelSettings.fused")
+        _flag(self.warp_specialized, "KernelSettings.warp_specialized")
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> KernelSettings:
+        """The settings that ``VPARALLEL_CE_KERNELS`` (``auto``, ``torch``, ``triton``),
+        ``VPARALLEL_CE_FUSED`` and ``VPARALLEL_CE_FUSED_WS`` (``0`` or ``1``) name in ``environ``
+        (default ``os.environ``); unset or empty variables keep the defaults, any other value is a
+        ``ValueError`` naming the variable."""
+        env = os.environ if environ is None else environ
+        return cls(choice=_choice(env.get(_ENV_KERNELS, "") or "auto", _ENV_KERNELS),
+                   fused=_env_flag(env, _ENV_FUSED, True),
+                   warp_specialized=_env_flag(env, _ENV_WS, False))
+
+
+# Read once, here: a process's plan does not change when its environment does.
+_FROM_ENVIRONMENT = KernelSettings.from_environment()
+# Whether Triton kernels run under its CPU interpreter. Triton fixes this when the kernels are
+# defined (on the first import of the kernel modules), so it too is read once; set it before import.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# The settings of the code running now, as set by :func:`use`; unset outside any ``use`` block.
+_CURRENT: contextvars.ContextVar[KernelSettings] = contextvars.ContextVar("vparallel_ce.kernels.settings")
+# The ``use`` blocks open in any thread, innermost last, as (token, settings): what a backward pass on
+# one of autograd's own threads falls back to where torch does not say where it was launched.
+_OPEN: list = []
+_OPEN_LOCK = threading.Lock()
+
+
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: not in a backward pass
+
+
+def _backward_settings() -> KernelSettings | None:
+    """The :func:`use` settings for a backward pass on a thread with none of its own. Autograd runs
+    a CUDA graph's backward on a thread of its own, whose context holds no ``use``: newer torch
+    keeps the context that called ``backward()`` in that thread's state; otherwise the innermost
+    ``use`` block open in the process (the one around ``backward()`` when one thread trains)."""
+    try:
+        if torch._C._is_key_in_tls("context"):
+            return torch._C._get_obj_in_tls("context").get(_CURRENT)
+    except (AttributeError, RuntimeError, TypeError):  # a torch without that state
+        pass
+    with _OPEN_LOCK:
+        return _OPEN[-1][1] if _OPEN else None
+
+
+def settings() -> KernelSettings:
+    """The current :class:`KernelSettings`: those of the innermost :func:`use` block around this
+    code (or around the backward pass that runs it), else those of the environment at import."""
+    current = _CURRENT.get(None)
+    if current is None and _graph_task_id() != -1:
+        current = _backward_settings()
+    return _FROM_ENVIRONMENT if current is None else current
+
+
+class _Use:
+    """The context manager of :func:`use`: its changes, applied over the settings current at entry
+    (so one object can be entered again, and nested, in one thread at a time)."""
+
+    def __init__(self, changes: dict):
+        self._changes = changes
+        self._tokens: list = []  # one per open entry
+
+    def __enter__(self) -> KernelSettings:
+        chosen = replace(settings(), **self._changes)
+        token = _CURRENT.set(chosen)
+        self._tokens.append(token)
+        with _OPEN_LOCK:
+            _OPEN.append((token, chosen))
+        return chosen
+
+    def __exit__(self, *exc) -> None:
+        token = self._tokens.pop()
+        with _OPEN_LOCK:  # blocks of several threads need not close in order: this one's entry
+            del _OPEN[next(i for i in range(len(_OPEN) - 1, -1, -1) if _OPEN[i][0] is token)]
+        _CURRENT.reset(token)
+
+
+def use(kernels: str | KernelChoice | None = None, *, fused: bool | None = None,
+        warp_specialized: bool | None = None) -> _Use:
+    """A context manager that sets the kernel settings for its block; what is not given keeps its
+    current value, and the previous settings come back at the end of the block::
+
+        with vparallel_ce.kernels.use("torch"):           # the torch reference
+            ...
+        with vparallel_ce.kernels.use(fused=False):       # cuBLAS + the row passes
+            ...
+
+    ``kernels``: ``"auto"``, ``"torch"`` or ``"triton"`` (:class:`KernelChoice`); ``fused``,
+    ``warp_specialized``: the fields of :class:`KernelSettings`. Arguments are checked here
+    (``ValueError``). The block's settings hold for the code it runs in its thread, and for the
+    backward passes run inside it, on autograd's own threads too; a backward run after the block
+    gets the settings in force then, so keep a call's forward and backward in one block. Use the
+    same settings on every rank of a group: they decide the plan."""
+    changes = {}
+    if kernels is not None:
+        changes["choice"] = _choice(kernels, "kernels")
+    if fused is not None:
+        changes["fused"] = _flag(fused, "fused")
+    if warp_specialized is not None:
+        changes["warp_specialized"] = _flag(warp_specialized, "warp_specialized")
+    return _Use(changes)
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run under its CPU interpreter (``TRITON_INTERPRET=1`` when this module
+    was imported)."""
+    return _INTERPRETING
+
+
+# ----------------------------------------------------------------------------------------- backends
 
 
 @dataclass(frozen=True)
@@ -54,97 +233,90 @@ class KernelBackend:
 TORCH_OPS = KernelBackend("torch", stats.local_stats, stats.grad_logits, stats.loss_stats_grad_, stats.scale_rows)
 
 
-def interpreting() -> bool:
-    """Whether Triton kernels run under its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
+# One entry (no arguments): importing Triton takes seconds and a CPU-only process never needs it,
+# so the kernel modules are imported on first use; a failed import is tried once, not on every call.
+@functools.cache
 def _modules():
-    """``(fused_linear, triton_ce, targets)``, imported once; None where Triton is missing or fails to import
-    (then the torch path is kept). Looked up on every call, so not by an import statement."""
-    global _MODULES
-    if _MODULES is False:
-        try:
-            from . import fused_linear, targets, triton_ce
-            _MODULES = (fused_linear, triton_ce, targets)
-        except Exception:
-            _MODULES = None
-    return _MODULES
+    """``(fused_linear, triton_ce, targets)``, or None where Triton is missing or fails to import
+    (then the torch path is kept)."""
+    try:
+        from . import fused_linear, targets, triton_ce
+    except Exception:
+        return None
+    return fused_linear, triton_ce, targets
 
 
-_MODULES = False  # not imported yet
+# One entry: the backend is the same object on every call (building it took 1.8 us of host time on
+# every ops_for, the lookup 0.1 us); keyed by the kernel functions, so one swapped in (a test's counter) is used.
+@functools.lru_cache(maxsize=1)
+def _fused_backend(covers: Callable, linear_stats: Callable, grad_logits_for: Callable) -> KernelBackend:
+    """The row passes, plus the lm_head GEMM fused with each of them (``linear_cross_entropy``'s
+    recomputed logits)."""
+    return replace(_modules()[1].OPS, name="triton+fused", fused=FusedLinear(covers, linear_stats, grad_logits_for))
 
 
 def _triton_ops(fused: bool):
-    if _modules() is None:
+    modules = _modules()
+    if modules is None:
         return None
-    fused_linear, triton_ce, _ = _MODULES
+    fused_linear, triton_ce, _ = modules
     if not fused:
         return triton_ce.OPS
-    # the row passes, plus the lm_head GEMM fused with each of them (linear_cross_entropy's
-    # recomputed logits): ``fused_covers(h, w, spec)`` says where the GEMM kernels take the inputs.
-    # Built once per set of kernel functions (this runs on every call; tests swap the functions)
-    key = (fused_linear.schedule_covers, fused_linear.linear_stats, fused_linear.GradLogits)
-    if _FUSED_OPS.get("key") != key:
-        _FUSED_OPS["key"] = key
-        _FUSED_OPS["ops"] = replace(triton_ce.OPS, name="triton+fused", fused=FusedLinear(*key))
-    return _FUSED_OPS["ops"]
-
-
-_FUSED_OPS: dict = {}
-
-
-def ops_for(x):
-    """The implementation for tensors like ``x``: Triton on CUDA (fp16/bf16/fp32) when importable,
-    with the fused lm_head GEMM kernels unless ``VPARALLEL_CE_FUSED=0``."""
-    choice = os.environ.get("VPARALLEL_CE_KERNELS", "auto")
-    if choice == "torch":
-        return TORCH_OPS
-    use_triton = choice == "triton" or (x.is_cuda and x.dtype in _TRITON_DTYPES)
-    if use_triton:
-        ops = _triton_ops(os.environ.get("VPARALLEL_CE_FUSED", "1") != "0")
-        if ops is not None:
-            return ops
-    return TORCH_OPS
+    return _fused_backend(fused_linear.schedule_covers, fused_linear.linear_stats, fused_linear.GradLogits)
 
 
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def ops_for(x):
+    """The implementation for tensors like ``x`` under the current :func:`settings`: Triton on CUDA
+    (fp16/bf16/fp32) when importable (``choice`` ``auto``), or wherever it imports (``triton``),
+    with the fused lm_head GEMM kernels unless ``fused`` is off; the torch reference otherwise."""
+    current = settings()
+    if current.choice is KernelChoice.TORCH:
+        return TORCH_OPS
+    if current.choice is KernelChoice.TRITON or (x.is_cuda and x.dtype in _TRITON_DTYPES):
+        ops = _triton_ops(current.fused)
+        if ops is not None:
+            return ops
+    return TORCH_OPS
+
+
 def fused_applies(device, dtype, *, entropy: bool = False, temperature: float = 1.0) -> bool:
     """Whether ``linear_cross_entropy`` runs the fused GEMM kernels for lm_head operands of this
     device and matmul dtype (what the policy plans with): bf16/fp16 on a CUDA GPU with tensor
-    cores (sm80+) and Triton, unless ``VPARALLEL_CE_KERNELS=torch`` or ``VPARALLEL_CE_FUSED=0``;
-    not for the log-prob ops' temperature / entropy statistic. The rule of
+    cores (sm80+) and Triton, unless the current :func:`settings` choose ``torch`` or turn
+    ``fused`` off; not for the log-prob ops' temperature / entropy statistic. The rule of
     :func:`.fused_linear.schedule_covers`, for a device and dtype instead of tensors."""
-    if os.environ.get("VPARALLEL_CE_FUSED", "1") == "0" or os.environ.get("VPARALLEL_CE_KERNELS", "auto") == "torch":
+    current = settings()
+    if not current.fused or current.choice is KernelChoice.TORCH:
         return False
     if not isinstance(device, torch.device):
         device = torch.device(device)
     if device.type != "cuda" or _triton_ops(True) is None:
         return False
-    fl = _MODULES[0]
+    fl = _modules()[0]
     return (dtype in fl.SCHEDULE_DTYPES and fl.takes_options(entropy=entropy, temperature=temperature)
-            and fl._capability(device) >= (8, 0))  # _capability: cached per device
+            and fl._capability(device) >= (8, 0))
 
 
 def target_facts(target, ignore_index: int):
     """The Triton version of the front door's target span and checksum (:mod:`.targets`: one
     launch instead of six) for integer CUDA targets, or None where it does not apply (CPU, no Triton,
-    ``VPARALLEL_CE_KERNELS=torch``): the caller then runs the torch version."""
-    if os.environ.get("VPARALLEL_CE_KERNELS", "auto") == "torch" or target.dtype not in (torch.int64, torch.int32):
+    the ``torch`` choice): the caller then runs the torch version."""
+    if settings().choice is KernelChoice.TORCH or target.dtype not in (torch.int64, torch.int32):
         return None
-    if not (target.is_cuda or interpreting()) or _modules() is None:
+    if not (target.is_cuda or _INTERPRETING):
         return None
-    return _MODULES[2].target_facts(target, ignore_index)
+    modules = _modules()
+    return None if modules is None else modules[2].target_facts(target, ignore_index)
 
 
 def word_checksum(words):
     """The Triton version of :func:`vparallel_ce.validate.word_checksum` for a contiguous int32 CUDA
     tensor (:func:`.targets.word_checksum`), or None where it does not apply: the caller then runs
     the torch version."""
-    if os.environ.get("VPARALLEL_CE_KERNELS", "auto") == "torch" or not (words.is_cuda or interpreting()):
+    if settings().choice is KernelChoice.TORCH or not (words.is_cuda or _INTERPRETING):
         return None
-    if _modules() is None:
-        return None
-    return _MODULES[2].word_checksum(words)
+    modules = _modules()
+    return None if modules is None else modules[2].word_checksum(words)

@@ -31,7 +31,6 @@ reference, so every function here is always a drop-in.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -40,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .. import stats
+from . import settings
 from .triton_ce import _DTYPES, _int8, _interpreting, _tanh
 
 try:  # Triton >= 3.3
@@ -63,7 +63,8 @@ class TileConfig:
     loads overlap this tile's epilogue), ``"ws"`` (persistent, warp-specialised: Triton splits the
     loop into a TMA producer and MMA consumer warp groups; needs TMA and, in Triton 3.6,
     ``num_warps=4`` and ``tma_store=False``; it made an illegal memory access on an H200 with
-    Triton 3.6, so on a GPU it runs only with ``VPARALLEL_CE_FUSED_WS=1``). ``tma``: tensor
+    Triton 3.6, so on a GPU it runs only where the kernel settings allow it:
+    ``vparallel_ce.kernels.use(warp_specialized=True)`` or ``VPARALLEL_CE_FUSED_WS=1``). ``tma``: tensor
     descriptors where the strides allow. ``split_store``: store an output tile as two half-width TMA
     boxes (less shared memory for the epilogue). ``tma_store=False``: plain stores for the outputs,
     TMA for the loads only."""
@@ -110,12 +111,14 @@ def covered(h: torch.Tensor, w: torch.Tensor) -> bool:
     return h.is_cuda and _capability(h.device) >= (8, 0)
 
 
-@functools.lru_cache(maxsize=None)
+# Per device (a process has few: bounded all the same): a CUDA property query took 10 us of host
+# time on an H100 (torch 2.11), and these are asked on every launch.
+@functools.lru_cache(maxsize=64)
 def _capability(device) -> tuple:
     return torch.cuda.get_device_capability(device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)  # as _capability
 def _sm_count(device) -> int:
     if _interpreting() or device.type != "cuda":
         return 4
@@ -340,9 +343,10 @@ class _Launch:
         device = h.device
         on_hopper = _interpreting() or (h.is_cuda and _capability(device) >= (9, 0))
         self.tma = bool(cfg.tma and TensorDescriptor is not None and on_hopper and _tma_ok(h) and _tma_ok(w))
-        if cfg.schedule == "ws" and not _interpreting() and os.environ.get("VPARALLEL_CE_FUSED_WS") != "1":
+        if cfg.schedule == "ws" and not _interpreting() and not settings().warp_specialized:
             raise ValueError("schedule='ws' made an illegal memory access with Triton 3.6 on an H200 "
-                             "(docs/kernels.md); set VPARALLEL_CE_FUSED_WS=1 to try it anyway")
+                             "(docs/kernels.md); run it inside vparallel_ce.kernels.use(warp_specialized=True) "
+                             "or start the process with VPARALLEL_CE_FUSED_WS=1 to try it anyway")
         if cfg.schedule == "ws" and not self.tma:
             cfg = replace(cfg, schedule="persistent")
         if not self.tma:
