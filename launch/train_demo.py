@@ -101,7 +101,8 @@ def global_batch(step: int, args, vocab: int) -> tuple[torch.Tensor, torch.Tenso
     for t in range(s):
         tokens[:, t + 1] = successors[tokens[:, t], choice[:, t]]
     pad = torch.randint(s // 4 + 1, (b, 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:].masked_fill(torch.arange(s) >= s - pad, IGNORE)
+    # contiguous: a pipeline stage checks its inputs' strides against the shapes it was built with
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].masked_fill(torch.arange(s) >= s - pad, IGNORE)
 
 
 def apply_fsdp(stage: llama.Transformer, dp_mesh, dtype: torch.dtype, pp: int) -> None:

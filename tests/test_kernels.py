@@ -446,58 +446,27 @@ def test_settings_from_an_environment():
         KernelSettings(fused="no")
 
 
-class _Probe(torch.autograd.Function):
-    """Records the kernel settings its backward runs with."""
-
-    seen: list = []
-
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        from vparallel_ce import kernels
-
-        _Probe.seen.append(kernels.settings())
-        return g * 2
-
-
-def test_a_backward_on_a_thread_without_a_block_gets_the_open_one(monkeypatch):
-    # what autograd's own (CUDA) threads get where torch does not keep the context that called
-    # backward(): the innermost block open in the process; outside a backward, that thread's own
-    import contextvars
-    import threading
-
-    from vparallel_ce import kernels
-
-    monkeypatch.setattr(torch._C, "_is_key_in_tls", lambda key: False, raising=False)
-    monkeypatch.setattr(_Probe, "seen", [])
-    before = kernels.settings()
-    outside = []
-
-    def run():
-        _Probe.apply(torch.ones(3, requires_grad=True)).sum().backward()
-        outside.append(kernels.settings())
-
-    with kernels.use("torch", fused=False) as chosen:
-        worker = threading.Thread(target=contextvars.Context().run, args=(run,))  # a context with no block
-        worker.start()
-        worker.join()
-    assert _Probe.seen == [chosen] and outside == [before]
-
-
-@cuda
-def test_backward_on_the_autograd_device_thread_sees_the_block_settings(monkeypatch):
-    # autograd runs a CUDA graph's backward on a thread of its own: a use block around backward()
-    # must still decide the kernels there, as it does for the forward
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy", "token_logprobs", "linear_token_logprobs"])
+def test_a_backward_runs_with_the_kernel_settings_of_its_forward(op, monkeypatch):
+    # a call keeps the settings in force at its front door: its backward (which autograd may run
+    # on a thread of its own, outside the caller's use block) picks its kernels with those
+    import vparallel_ce
     from vparallel_ce import kernels
 
     seen = []
-    monkeypatch.setattr(_Probe, "seen", seen)
-    x = torch.ones(4, device="cuda", requires_grad=True)
+    real = kernels.ops_for
+    monkeypatch.setattr(kernels, "ops_for", lambda x, current=None: seen.append(current) or real(x, current))
+    h = torch.randn(6, 4, requires_grad=True)
+    w = torch.randn(9, 4, requires_grad=True)
+    t = torch.randint(0, 9, (6,))
+    x = (h @ w.T).detach().requires_grad_()
     with kernels.use("torch", fused=False) as chosen:
-        _Probe.apply(x).sum().backward()
-    assert seen == [chosen]
-    _Probe.apply(x).sum().backward()
-    assert seen[-1] == kernels.settings()
+        out = {"cross_entropy": lambda: vparallel_ce.cross_entropy(x, t, chunks=1),
+               "linear_cross_entropy": lambda: vparallel_ce.linear_cross_entropy(h, w, t, chunks=2, recompute=True),
+               "token_logprobs": lambda: vparallel_ce.token_logprobs(x, t).sum(),
+               "linear_token_logprobs": lambda: vparallel_ce.linear_token_logprobs(h, w, t).sum()}[op]()
+    forward_calls = len(seen)
+    out.backward()
+    assert forward_calls >= 1 and len(seen) > forward_calls, seen
+    assert all(s == chosen for s in seen), (chosen, seen)
+    assert chosen != kernels.settings()

@@ -27,6 +27,7 @@ from vparallel_ce.pipeline import (
 )
 
 V, H, S, B = 37, 8, 6, 8  # vocab, hidden, sequence length, GLOBAL batch (sequences)
+_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])  # (major, minor)
 N_MB = 4
 IGNORED = [0, 1, 6, 6, 2, 0, 3, 5]  # leading ignored tokens per sequence (rows 2, 3 fully ignored)
 TOL = 1e-10
@@ -186,10 +187,10 @@ def _run_case(rank, coords, groups, sizes, kind, sched_name, via, steps=2):
         elif via == "old":
             assert not step_accepts_loss_kwargs(_OldStep(schedule))
             loss_fn.step(_OldStep(schedule), *args, target=labels, losses=losses, global_valid_tokens=gvt)
-        elif via == "loss_kwargs":
+        elif via == "loss_kwargs" and step_accepts_loss_kwargs(schedule):
             schedule.step(*args, target=labels, losses=losses, return_outputs=False,
                           loss_kwargs={"global_valid_tokens": gvt})
-        else:  # the fallback for torches without loss_kwargs
+        else:  # the fallback for torches without loss_kwargs (which is what "loss_kwargs" runs there)
             with loss_fn.step_context(global_valid_tokens=gvt):
                 schedule.step(*args, target=labels, losses=losses, return_outputs=False)
         assert loss_fn._context_tokens is None
@@ -210,8 +211,10 @@ def _run_case(rank, coords, groups, sizes, kind, sched_name, via, steps=2):
         if pp_i == pp - 1:
             want = torch.chunk(ref_grads["lm"], tp, 0)[tp_i]
             errs[f"{key}/lm"] = (mod.lm.grad - want).abs().max().item()
-            # the last stage ran the loss once per microbatch, plus once for shape inference on step 0
-            errs[f"{key}/calls"] = 0.0 if len(calls) == N_MB * (step + 1) + 1 else float(len(calls))
+            # the last stage ran the loss once per microbatch, plus (torch 2.13) once for shape
+            # inference on step 0
+            shape_inference = 1 if _TORCH >= (2, 13) else 0
+            errs[f"{key}/calls"] = 0.0 if len(calls) == N_MB * (step + 1) + shape_inference else float(len(calls))
     return errs
 
 
@@ -447,8 +450,15 @@ def _multi_names():
     return [n for n in names if hasattr(schedules, n)]
 
 
+# Before torch 2.13 the schedules that split the backward into input and weight passes cannot run
+# these losses: the weight pass cannot go through a custom autograd.Function (pytorch#166577), and
+# the V-shaped ones fail to connect their gloo pairs. docs/pipeline.md says so.
+_SPLIT_BACKWARD = ("ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+
+
 def test_multi_stage_schedules():
-    cases = [(kind, n) for n in _multi_names() for kind in ("ce", "linear")]
+    names = [n for n in _multi_names() if _TORCH >= (2, 13) or n not in _SPLIT_BACKWARD]
+    cases = [(kind, n) for n in names for kind in ("ce", "linear")]
     _check(run_ranks(_multi_job, 2, 2, 1, cases))
 
 

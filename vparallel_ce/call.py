@@ -53,6 +53,8 @@ class Call:
         counts: the token count of every rank (sequence parallel) or of this rank.
         matmul_dtype: the dtype of the lm_head matmuls (the autocast dtype inside ``torch.autocast``,
             else the inputs' own); statistics and gradient sums are fp32 whatever it is.
+        kernels: the kernel settings in force at the call (:func:`vparallel_ce.kernels.settings`),
+            kept so that its backward, which autograd may run on another thread, uses the same.
         pending: the world-1 target check, settled by the op's forward once its kernels are queued
             (:meth:`settle`); None on a group, where the exchange checked the targets.
     """
@@ -65,6 +67,7 @@ class Call:
     sequence_parallel: bool = False
     counts: tuple[int, ...] = ()
     matmul_dtype: torch.dtype | None = None
+    kernels: kernels.KernelSettings = field(default_factory=kernels.settings)
     pending: DeferredTargetCheck | None = field(default=None, compare=False, repr=False)
 
     def settle(self) -> None:
@@ -128,8 +131,9 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
     problem = check_call_options(o) or check_linear(hidden, weight, target, bias, autocast_dtype=amp)
     sp = o.sequence_parallel is True
     matmul = _matmul_dtype(weight, amp) if problem is None else None
+    chosen = kernels.settings()
     fused = problem is None and kernels.fused_applies(weight.device, matmul, entropy=o.with_entropy,
-                                                      temperature=float(o.temperature))
+                                                      temperature=float(o.temperature), current=chosen)
 
     def facts(target_checksum):  # made only for a group's exchange
         # replicated hidden states are checked to be so (with sequence parallelism each rank holds
@@ -152,7 +156,7 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
     plan = (o.policy or _policy.DEFAULT_POLICY).plan(
         sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1], reduction=o.reduction, chunks=o.chunks,
         schedule=o.schedule, recompute=o.recompute, fused=fused)
-    call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, sp, counts, matmul, pending)
+    call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, sp, counts, matmul, chosen, pending)
     inputs = LinearInputs(_rows(hidden, n, weight.shape[-1]), weight, bias, _flat(target), target.shape)
     return call, inputs
 

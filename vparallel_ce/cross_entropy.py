@@ -80,7 +80,7 @@ def logits_statistics(x: torch.Tensor, target: torch.Tensor, call: Call) -> tupl
     ``(local_t, owned, valid)`` (:func:`~vparallel_ce.stats.local_targets`; the backward's
     :func:`logits_gradient` takes them again rather than launching their kernels twice)."""
     lay, spec = call.layout, call.spec
-    ops = kernels.ops_for(x)
+    ops = kernels.ops_for(x, call.kernels)
     targets = local_targets(target, lay.offset, lay.local_size, spec.ignore_index, all_owned=call.all_owned)
     local_t, owned, _ = targets
     parts = [combine(ops.local_stats(x[sl], local_t[sl], owned[sl], spec), lay)
@@ -94,7 +94,7 @@ def logits_gradient(x: torch.Tensor, targets: tuple, shift: torch.Tensor, coefs:
     """The gradient pass: ``d obj / d x`` chunk by chunk for the per-token global max ``shift`` and
     coefficients ``coefs`` of all ``N`` tokens, in the logits' dtype; ``targets``: the forward's
     ``(local_t, owned, valid)``. Local, no collective."""
-    ops = kernels.ops_for(x)
+    ops = kernels.ops_for(x, call.kernels)
     local_t, owned, _ = targets
     dx = torch.empty_like(x)
     for sl in token_slices(x.shape[0], call.plan.chunks):

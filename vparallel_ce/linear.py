@@ -480,7 +480,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with autocast_off(h.device.type):
             spec = call.spec
             hm, wm, bm = matmul_inputs(call, h, w, b)
-            ops = kernels.ops_for(wm)
+            ops = kernels.ops_for(wm, call.kernels)
             sched = Schedule.of(call, keep_logits=Backward.keeps_logits(call, need))
             saved = Saved(call, Backward.of(call, need, b, sched), need)
             mode = saved.mode
@@ -536,7 +536,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h, w, b, t = ctx.saved_tensors
         with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
-            ops = kernels.ops_for(wm)
+            ops = kernels.ops_for(wm, call.kernels)
             kept_chunks = saved.kept.take()  # empty on a second backward of the graph: it recomputes
             if saved.mode is Backward.UNIT_LOGITS and kept_chunks:
                 g = grad_out

@@ -163,7 +163,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     def forward(ctx, h, w, b, t, call: Call):
         with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
-            ops = kernels.ops_for(wm)
+            ops = kernels.ops_for(wm, call.kernels)
             need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
             keep = Schedule.keeps_for_backward(call, need)
             sched = Schedule.of(call, keep_logits=keep)
@@ -203,7 +203,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             return None, None, None, None, None
         with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
-            ops = kernels.ops_for(wm)
+            ops = kernels.ops_for(wm, call.kernels)
             sched = Schedule.of(call, keep_logits=False)
             rows = sched.rows(call)
             grads = Grads(h, w, b, need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)

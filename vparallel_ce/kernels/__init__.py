@@ -21,7 +21,6 @@ import contextvars
 import enum
 import functools
 import os
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
@@ -113,36 +112,12 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 # The settings of the code running now, as set by :func:`use`; unset outside any ``use`` block.
 _CURRENT: contextvars.ContextVar[KernelSettings] = contextvars.ContextVar("vparallel_ce.kernels.settings")
-# The ``use`` blocks open in any thread, innermost last, as (token, settings): what a backward pass on
-# one of autograd's own threads falls back to where torch does not say where it was launched.
-_OPEN: list = []
-_OPEN_LOCK = threading.Lock()
-
-
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)  # -1: not in a backward pass
-
-
-def _backward_settings() -> KernelSettings | None:
-    """The :func:`use` settings for a backward pass on a thread with none of its own. Autograd runs
-    a CUDA graph's backward on a thread of its own, whose context holds no ``use``: newer torch
-    keeps the context that called ``backward()`` in that thread's state; otherwise the innermost
-    ``use`` block open in the process (the one around ``backward()`` when one thread trains)."""
-    try:
-        if torch._C._is_key_in_tls("context"):
-            return torch._C._get_obj_in_tls("context").get(_CURRENT)
-    except (AttributeError, RuntimeError, TypeError):  # a torch without that state
-        pass
-    with _OPEN_LOCK:
-        return _OPEN[-1][1] if _OPEN else None
-
-
 def settings() -> KernelSettings:
     """The current :class:`KernelSettings`: those of the innermost :func:`use` block around this
-    code (or around the backward pass that runs it), else those of the environment at import."""
-    current = _CURRENT.get(None)
-    if current is None and _graph_task_id() != -1:
-        current = _backward_settings()
-    return _FROM_ENVIRONMENT if current is None else current
+    code, else those of the environment at import. Each call reads them once, at its front door,
+    and keeps them (:attr:`vparallel_ce.call.Call.kernels`): its backward runs with the kernels its
+    forward was planned with, on whatever thread autograd runs it."""
+    return _CURRENT.get(_FROM_ENVIRONMENT)
 
 
 class _Use:
@@ -155,17 +130,11 @@ class _Use:
 
     def __enter__(self) -> KernelSettings:
         chosen = replace(settings(), **self._changes)
-        token = _CURRENT.set(chosen)
-        self._tokens.append(token)
-        with _OPEN_LOCK:
-            _OPEN.append((token, chosen))
+        self._tokens.append(_CURRENT.set(chosen))
         return chosen
 
     def __exit__(self, *exc) -> None:
-        token = self._tokens.pop()
-        with _OPEN_LOCK:  # blocks of several threads need not close in order: this one's entry
-            del _OPEN[next(i for i in range(len(_OPEN) - 1, -1, -1) if _OPEN[i][0] is token)]
-        _CURRENT.reset(token)
+        _CURRENT.reset(self._tokens.pop())
 
 
 def use(kernels: str | KernelChoice | None = None, *, fused: bool | None = None,
@@ -268,11 +237,12 @@ def _triton_ops(fused: bool):
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def ops_for(x):
-    """The implementation for tensors like ``x`` under the current :func:`settings`: Triton on CUDA
-    (fp16/bf16/fp32) when importable (``choice`` ``auto``), or wherever it imports (``triton``),
-    with the fused lm_head GEMM kernels unless ``fused`` is off; the torch reference otherwise."""
-    current = settings()
+def ops_for(x, current: KernelSettings | None = None):
+    """The implementation for tensors like ``x`` under ``current`` (a call's kept settings; default
+    the current :func:`settings`): Triton on CUDA (fp16/bf16/fp32) when importable (``choice``
+    ``auto``), or wherever it imports (``triton``), with the fused lm_head GEMM kernels unless
+    ``fused`` is off; the torch reference otherwise."""
+    current = current or settings()
     if current.choice is KernelChoice.TORCH:
         return TORCH_OPS
     if current.choice is KernelChoice.TRITON or (x.is_cuda and x.dtype in _TRITON_DTYPES):
@@ -282,13 +252,15 @@ def ops_for(x):
     return TORCH_OPS
 
 
-def fused_applies(device, dtype, *, entropy: bool = False, temperature: float = 1.0) -> bool:
+def fused_applies(device, dtype, *, entropy: bool = False, temperature: float = 1.0,
+                  current: KernelSettings | None = None) -> bool:
     """Whether ``linear_cross_entropy`` runs the fused GEMM kernels for lm_head operands of this
     device and matmul dtype (what the policy plans with): bf16/fp16 on a CUDA GPU with tensor
     cores (sm80+) and Triton, unless the current :func:`settings` choose ``torch`` or turn
     ``fused`` off; not for the log-prob ops' temperature / entropy statistic. The rule of
-    :func:`.fused_linear.schedule_covers`, for a device and dtype instead of tensors."""
-    current = settings()
+    :func:`.fused_linear.schedule_covers`, for a device and dtype instead of tensors. ``current``:
+    as in :func:`ops_for`."""
+    current = current or settings()
     if not current.fused or current.choice is KernelChoice.TORCH:
         return False
     if not isinstance(device, torch.device):

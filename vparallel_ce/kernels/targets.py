@@ -24,9 +24,9 @@ import triton.language as tl
 __all__ = ["target_facts", "word_checksum"]
 
 # the mixing constants of vparallel_ce.validate.target_checksum / word_checksum (odd multipliers of
-# splitmix64 and murmur3, written as signed ints)
-_K1, _K2, _K3 = -7046029254386353131, -4658895280553007687, -7723592293110705685
-_W1, _W2 = -1640531535, -2048144789
+# splitmix64 and murmur3, written as signed ints; constexpr, as a kernel may read no other global)
+_K1, _K2, _K3 = (tl.constexpr(k) for k in (-7046029254386353131, -4658895280553007687, -7723592293110705685))
+_W1, _W2 = tl.constexpr(-1640531535), tl.constexpr(-2048144789)
 
 BLOCK = 2048
 
@@ -63,8 +63,11 @@ def target_facts(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return out
 
 
-_WORDS = 4096  # int32 words per tile
-_TILES = 16  # tiles per program: 256 KiB a program
+# 2048 int32 words per tile, 4 tiles (32 KiB) per program, 4 warps: the fastest of a sweep on an
+# H200 at 2048 and 8192 tokens x 4096 bf16 (45 us at 8192 tokens, against 61 us with 256 KiB programs)
+_WORDS = 2048
+_TILES = 4
+_WARPS = 4
 
 
 @triton.jit
@@ -89,5 +92,5 @@ def word_checksum(words: torch.Tensor) -> torch.Tensor:
     n = words.numel()
     programs = triton.cdiv(n, _WORDS * _TILES)
     out = torch.empty(programs, dtype=torch.int64, device=words.device)
-    _word_checksum_kernel[(programs,)](words, n, out, BLOCK=_WORDS, TILES=_TILES, num_warps=8)
+    _word_checksum_kernel[(programs,)](words, n, out, BLOCK=_WORDS, TILES=_TILES, num_warps=_WARPS)
     return out.sum()
