@@ -1,7 +1,8 @@
 """The minimal examples in launch/examples/ run on CPU and check themselves (each ends with OK).
 
 tp_cross_entropy.py spawns its two gloo processes itself, and also runs under torchrun;
-rl_logprobs.py is one process. Each run has a bounded wall time.
+rl_logprobs.py is one process; grad_accumulation.py spawns two (DDP and FSDP2). Each run has a
+bounded wall time.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def _free_port() -> int:
     ["tp_cross_entropy.py"],
     ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "PORT", "tp_cross_entropy.py"],
     ["rl_logprobs.py"],
-], ids=["tp-spawned", "tp-torchrun", "rl"])
+    ["grad_accumulation.py"],
+], ids=["tp-spawned", "tp-torchrun", "rl", "grad-accumulation"])
 def test_example_runs_and_checks_itself(tmp_path, cmd):
     cmd = [str(EXAMPLES / c) if c.endswith(".py") else str(_free_port()) if c == "PORT" else c for c in cmd]
     proc = subprocess.run([sys.executable, *cmd], cwd=tmp_path, env=_env(), capture_output=True, text=True,

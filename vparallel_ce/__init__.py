@@ -7,6 +7,8 @@ Public API:
 * :func:`linear_cross_entropy` -- hidden states + the lm_head weight shard, no full logits;
 * :func:`token_logprobs`, :func:`linear_token_logprobs` -- per-token log-probs and entropy for RL,
   from sharded logits or hidden states, with gradients;
+* :func:`count_valid_tokens` -- the valid tokens of a step over its data-parallel ranks, the
+  ``num_valid_tokens`` of the ops for exact gradient accumulation;
 * :func:`build_loss_fn` and the ``nn.Module`` wrappers -- string-configurable losses;
 * :mod:`vparallel_ce.policy` -- ``choose_chunks``, ``ChunkPolicy``, ``explain``;
 * :mod:`vparallel_ce.pipeline` -- exact loss normalisation under ``torch.distributed.pipelining``;
@@ -16,6 +18,7 @@ Public API:
 from .cross_entropy import cross_entropy
 from .linear import linear_cross_entropy
 from .logprobs import linear_token_logprobs, token_logprobs
+from .pipeline import count_valid_tokens
 from .policy import ChunkPolicy, choose_chunks
 from .registry import LinearCrossEntropy, PlainCrossEntropy, VocabParallelCrossEntropy, build_loss_fn
 from .second_order import SecondDerivativeError
@@ -27,6 +30,7 @@ __all__ = [
     "linear_cross_entropy",
     "token_logprobs",
     "linear_token_logprobs",
+    "count_valid_tokens",
     "build_loss_fn",
     "VocabParallelCrossEntropy",
     "LinearCrossEntropy",

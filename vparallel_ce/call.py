@@ -53,6 +53,8 @@ class Call:
         counts: the token count of every rank (sequence parallel) or of this rank.
         matmul_dtype: the dtype of the lm_head matmuls (the autocast dtype inside ``torch.autocast``,
             else the inputs' own); statistics and gradient sums are fp32 whatever it is.
+        divisor: ``num_valid_tokens`` as a 0-dim int64 tensor on the inputs' device (the mean's
+            divisor), or None: the call counts its valid tokens itself.
         kernels: the kernel settings in force at the call (:func:`vparallel_ce.kernels.settings`),
             kept so that its backward, which autograd may run on another thread, uses the same.
         pending: the world-1 target check, settled by the op's forward once its kernels are queued
@@ -68,6 +70,7 @@ class Call:
     counts: tuple[int, ...] = ()
     matmul_dtype: torch.dtype | None = None
     kernels: kernels.KernelSettings = field(default_factory=kernels.settings)
+    divisor: torch.Tensor | None = None
     pending: DeferredTargetCheck | None = field(default=None, compare=False, repr=False)
 
     def settle(self) -> None:
@@ -115,7 +118,8 @@ def logits_call(logits, target, *, op: str, group, options: Options) -> tuple[Ca
     lay, n = agreed.layout, target.numel()
     plan = (o.policy or _policy.DEFAULT_POLICY).plan(n, lay.vocab_size, lay.world, reduction=o.reduction,
                                                       chunks=o.chunks)
-    call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, counts=(n,), pending=agreed.pending)
+    call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, counts=(n,), divisor=_divisor(o, logits.device),
+                pending=agreed.pending)
     return call, LogitsInputs(_rows(logits, n, lay.local_size), _flat(target), target.shape)
 
 
@@ -156,9 +160,21 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
     plan = (o.policy or _policy.DEFAULT_POLICY).plan(
         sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1], reduction=o.reduction, chunks=o.chunks,
         schedule=o.schedule, recompute=o.recompute, fused=fused)
-    call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, sp, counts, matmul, chosen, pending)
+    call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, sp, counts, matmul, chosen,
+                _divisor(o, weight.device), pending)
     inputs = LinearInputs(_rows(hidden, n, weight.shape[-1]), weight, bias, _flat(target), target.shape)
     return call, inputs
+
+
+def _divisor(o: Options, device: torch.device) -> torch.Tensor | None:
+    """``num_valid_tokens`` as a 0-dim int64 tensor on ``device``: made by a fill kernel from an
+    int, moved without a host read from a tensor."""
+    count = o.num_valid_tokens
+    if count is None:
+        return None
+    if isinstance(count, torch.Tensor):
+        return count.reshape(()).to(device, torch.int64, non_blocking=True)
+    return torch.full((), count, dtype=torch.int64, device=device)
 
 
 def _rows(x: torch.Tensor, n: int, width: int) -> torch.Tensor:

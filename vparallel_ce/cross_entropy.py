@@ -34,6 +34,7 @@ def cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    num_valid_tokens: int | torch.Tensor | None = None,
     z_loss: float = 0.0,
     softcap: float | None = None,
     chunks: int | str = "auto",
@@ -51,6 +52,11 @@ def cross_entropy(
         vocab_size: the global ``V``, optional (checked against the shard sizes when given).
         ignore_index, reduction, label_smoothing: as in ``F.cross_entropy`` (label smoothing uses
             the GLOBAL vocab size; ``mean`` is over non-ignored tokens).
+        num_valid_tokens: the divisor of ``mean`` instead of this call's valid-token count: an int or
+            a one-element integer tensor (no host read), the same on every rank of the group. With
+            the valid tokens of a whole gradient-accumulation step (``vparallel_ce.count_valid_tokens``
+            over the data-parallel group), the step's gradients equal one big batch's -- HF's
+            ``num_items_in_batch``, torchtitan's ``global_valid_tokens`` (docs/accumulation.md).
         z_loss: adds ``z_loss * logsumexp(logits)**2`` per non-ignored token (PaLM).
         softcap: if set, ``logits -> softcap * tanh(logits / softcap)`` first (Gemma-2).
         chunks: number of token chunks, or ``"auto"`` (:func:`vparallel_ce.policy.choose_chunks`).
@@ -67,8 +73,9 @@ def cross_entropy(
         gathered, soft-capped fp32 logits; the gradient of each rank's shard is that shard's slice
         of the gradient of that one loss, in the logits' dtype.
     """
-    options = Options(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-                      softcap=softcap, chunks=chunks, policy=policy, vocab_size=vocab_size, check=check)
+    options = Options(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                      num_valid_tokens=num_valid_tokens, z_loss=z_loss, softcap=softcap, chunks=chunks, policy=policy,
+                      vocab_size=vocab_size, check=check)
     call, inp = logits_call(logits, target, op="cross_entropy", group=group, options=options)
     out = _CrossEntropy.apply(inp.x, inp.target, call)
     return out.reshape(inp.shape) if reduction == "none" else out
@@ -112,7 +119,7 @@ class _CrossEntropy(torch.autograd.Function):
         with autocast_off(x.device.type):
             st, targets = logits_statistics(x, target, call)
             valid = targets[2]
-            n_valid = valid.sum()
+            n_valid = valid.sum() if call.divisor is None else call.divisor
             coefs = unit_loss_coefs(st, valid, n_valid, call.reduction, call.spec)
             ctx.save_for_backward(x)
             ctx.call, ctx.targets, ctx.shift, ctx.coefs = call, targets, st.max, coefs  # per-token vectors

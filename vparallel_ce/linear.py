@@ -66,6 +66,7 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    num_valid_tokens: int | torch.Tensor | None = None,
     z_loss: float = 0.0,
     softcap: float | None = None,
     chunks: int | str = "auto",
@@ -85,8 +86,8 @@ def linear_cross_entropy(
             weight, or a DTensor ``Shard(0)`` (what ``ColwiseParallel`` gives), whose mesh sets the group.
         target: ``[...]`` (``hidden.shape[:-1]``) global class ids.
         bias: ``[V_local]`` shard, optional.
-        group, vocab_size, ignore_index, reduction, label_smoothing, z_loss, softcap, check: as in
-            :func:`vparallel_ce.cross_entropy`. With ``sequence_parallel`` the ``sum``/``mean`` are over
+        group, vocab_size, ignore_index, reduction, label_smoothing, num_valid_tokens, z_loss, softcap,
+        check: as in :func:`vparallel_ce.cross_entropy`. With ``sequence_parallel`` the ``sum``/``mean`` are over
             the tokens of the whole group (identical on every rank) and ``none`` returns this rank's
             tokens' losses.
         chunks: an int: that many token chunks (``chunks=1``: no chunking, the 3-matmul fast point),
@@ -110,8 +111,8 @@ def linear_cross_entropy(
         its input's dtype: ``weight.grad``/``bias.grad`` are this shard's; ``hidden.grad`` is the full
         gradient (summed over the group), or this rank's token rows of it with ``sequence_parallel``.
     """
-    options = Options(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-                      softcap=softcap, chunks=chunks, schedule=schedule, recompute=recompute, policy=policy,
+    options = Options(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                      num_valid_tokens=num_valid_tokens, z_loss=z_loss, softcap=softcap, chunks=chunks, schedule=schedule, recompute=recompute, policy=policy,
                       vocab_size=vocab_size, sequence_parallel=sequence_parallel, check=check,
                       check_replicated=check_replicated)
     call, inp = linear_call(hidden, weight, target, bias, op="linear_cross_entropy", group=group, options=options)
@@ -603,7 +604,9 @@ def _cat(parts: list, dim: int = 0) -> torch.Tensor:
 
 def _valid_count(t: torch.Tensor, call: Call, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Valid tokens of the call (of the group with sequence parallelism); ``valid``: the mask of
-    this rank's own tokens, if already made."""
+    this rank's own tokens, if already made. A given divisor (``num_valid_tokens``) instead."""
+    if call.divisor is not None:
+        return call.divisor
     n = (t != call.spec.ignore_index if valid is None else valid).sum()
     if call.sequence_parallel:  # mean over the tokens of the whole group
         comm.all_reduce_sum_(n, call.layout.group)

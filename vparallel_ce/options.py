@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import torch
+
 from .policy import ChunkPolicy
 
 __all__ = ["Options", "OPTION_NAMES"]
@@ -25,6 +27,9 @@ class Options:
 
     Attributes:
         reduction, ignore_index, label_smoothing: as in ``F.cross_entropy``.
+        num_valid_tokens: the divisor of ``reduction="mean"`` (an int or an integer tensor, e.g. the
+            valid tokens of a whole gradient-accumulation step over its data-parallel ranks, as
+            Hugging Face's ``num_items_in_batch``); None: this call's own valid tokens.
         z_loss, softcap: the loss' extra terms (:func:`vparallel_ce.cross_entropy`).
         temperature, with_entropy: the log-prob ops' distribution and whether the entropy is made.
         chunks, schedule, recompute, policy: how the work is planned
@@ -37,6 +42,7 @@ class Options:
     reduction: str = "mean"
     ignore_index: int = -100
     label_smoothing: float = 0.0
+    num_valid_tokens: int | torch.Tensor | None = None
     z_loss: float = 0.0
     softcap: float | None = None
     temperature: float = 1.0

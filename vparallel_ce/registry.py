@@ -77,22 +77,29 @@ class _LossModule(nn.Module):
 
 
 class VocabParallelCrossEntropy(_LossModule):
-    """``forward(logits, target)`` = :func:`vparallel_ce.cross_entropy` with the stored options."""
+    """``forward(logits, target, *, num_valid_tokens=None)`` = :func:`vparallel_ce.cross_entropy`
+    with the stored options (``num_valid_tokens``: this step's divisor of the mean, if given)."""
 
     OPTIONS = _keyword_options(cross_entropy)
 
-    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(logits, target, **self.options)
+    def forward(self, logits: torch.Tensor, target: torch.Tensor, *, num_valid_tokens=None) -> torch.Tensor:
+        return cross_entropy(logits, target, **_with_count(self.options, num_valid_tokens))
 
 
 class LinearCrossEntropy(_LossModule):
-    """``forward(hidden, weight, target, bias=None)`` = :func:`vparallel_ce.linear_cross_entropy`.
-    The lm_head keeps owning its weight; pass ``lm_head.weight`` (a shard or a DTensor)."""
+    """``forward(hidden, weight, target, bias=None, *, num_valid_tokens=None)`` =
+    :func:`vparallel_ce.linear_cross_entropy`. The lm_head keeps owning its weight; pass
+    ``lm_head.weight`` (a shard or a DTensor)."""
 
     OPTIONS = _keyword_options(linear_cross_entropy)
 
-    def forward(self, hidden, weight, target, bias=None) -> torch.Tensor:
-        return linear_cross_entropy(hidden, weight, target, bias, **self.options)
+    def forward(self, hidden, weight, target, bias=None, *, num_valid_tokens=None) -> torch.Tensor:
+        return linear_cross_entropy(hidden, weight, target, bias, **_with_count(self.options, num_valid_tokens))
+
+
+def _with_count(options: dict, num_valid_tokens) -> dict:
+    """The stored options with a call's own ``num_valid_tokens`` (which changes every step)."""
+    return options if num_valid_tokens is None else {**options, "num_valid_tokens": num_valid_tokens}
 
 
 class PlainCrossEntropy(_LossModule):
@@ -102,8 +109,8 @@ class PlainCrossEntropy(_LossModule):
 
     OPTIONS = frozenset({"group", "ignore_index", "reduction", "label_smoothing", "z_loss", "softcap"})
 
-    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        o = Options(**{k: v for k, v in self.options.items() if k != "group"})
+    def forward(self, logits: torch.Tensor, target: torch.Tensor, *, num_valid_tokens=None) -> torch.Tensor:
+        o = Options(**{k: v for k, v in _with_count(self.options, num_valid_tokens).items() if k != "group"})
         group = comm.resolve_group(self.options.get("group"))
         if is_dtensor(logits):
             logits = logits.full_tensor()
@@ -121,7 +128,9 @@ class PlainCrossEntropy(_LossModule):
             per = per + o.z_loss * torch.logsumexp(z, -1).square() * valid
         if o.reduction == "none":
             return per.reshape(target.shape)
-        return per.sum() / valid.sum() if o.reduction == "mean" else per.sum()
+        if o.reduction == "sum":
+            return per.sum()
+        return per.sum() / (valid.sum() if o.num_valid_tokens is None else o.num_valid_tokens)
 
 
 def _gather_vocab(x: torch.Tensor, group) -> torch.Tensor:

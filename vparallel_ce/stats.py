@@ -325,10 +325,12 @@ def reduce(per_token: torch.Tensor, n_valid: torch.Tensor, reduction: str) -> to
 def token_weights(valid: torch.Tensor, n_valid: torch.Tensor | None, reduction: str,
                   dtype: torch.dtype) -> torch.Tensor:
     """``r_i = d(output) / d(loss_i)`` of the reduced output: ``1 / n_valid`` for mean, 1 for sum and
-    none (``n_valid`` is not read there); 0 on ignored tokens."""
+    none (``n_valid`` is not read there); exactly 0 on ignored tokens (all ignored: loss 0/0 as
+    ``F.cross_entropy``, gradient 0, not nan; a given ``n_valid`` of 0 with valid tokens: inf, the
+    derivative of the infinite mean)."""
     r = valid.to(dtype)
     if reduction == "mean":
-        r = r / n_valid.clamp(min=1)  # all ignored: loss 0/0 as F.cross_entropy, gradient 0 (not nan)
+        r = torch.where(valid, r / n_valid, torch.zeros_like(r))
     return r
 
 

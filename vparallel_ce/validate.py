@@ -103,6 +103,11 @@ def _is_int(v, lo: int = -(2**63), hi: int = 2**63 - 1) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
 
+def _integer_scalar(v) -> bool:
+    return (isinstance(v, torch.Tensor) and v.numel() == 1 and not v.is_floating_point() and not v.is_complex()
+            and v.dtype != torch.bool)
+
+
 def _positive_finite(v) -> bool:
     return not isinstance(v, bool) and 0 < float(v) < float("inf")
 
@@ -124,6 +129,8 @@ _OPTION_CHECKS = {
     "sequence_parallel": (lambda v: isinstance(v, bool), "True or False"),
     "vocab_size": (lambda v: v is None or _is_int(v, 1, 2**62), "a positive int or None"),
     "with_entropy": (lambda v: isinstance(v, bool), "True or False"),
+    "num_valid_tokens": (lambda v: v is None or _is_int(v, 0, 2**62) or _integer_scalar(v),
+                         "an int >= 0, a one-element integer tensor or None"),
 }
 
 
@@ -154,6 +161,9 @@ def check_options(**options) -> Problem | None:
             return Problem(ValueError, f"policy: {field_problem}")
         if key is not None and len(_GOOD_OPTIONS) < 4096:
             _GOOD_OPTIONS.add(key)
+    if options.get("num_valid_tokens") is not None and options.get("reduction", "mean") != "mean":
+        return Problem(ValueError, "num_valid_tokens is the divisor of reduction='mean', got reduction="
+                                   f"{options.get('reduction')!r}")
     if options.get("recompute") is False and options.get("reduction") == "none":
         return Problem(ValueError, "recompute=False (gradients made in forward) needs reduction 'mean' or 'sum': "
                                    "with reduction='none' the upstream gradient is only known in backward")
@@ -310,6 +320,8 @@ class Facts:
     recompute: int = _shown(lambda c: {-1: "None", 0: "False", 1: "True"}.get(c, "?"))
     fused_kernels: int = _shown(lambda c: str(bool(c)))
     ignore_index: int = _shown(str)
+    # the mean's divisor, if given (-1: none); a tensor count rides on the exchange as it is
+    num_valid_tokens: object = _shown(lambda c: "None" if c == -1 else str(c))
     label_smoothing: int = _shown(_show_float)
     z_loss: int = _shown(_show_float)
     softcap: int = _shown(_show_softcap)
@@ -343,6 +355,7 @@ class Facts:
             _dtype_code(target.dtype), -1 if weight is None else weight.shape[-1], grads,
             REDUCTIONS.index(o.reduction), -1 if o.chunks == "auto" else int(o.chunks), SCHEDULES.index(o.schedule),
             {None: -1, False: 0, True: 1}[o.recompute], int(bool(fused)), int(o.ignore_index),
+            _count_code(o.num_valid_tokens, target.device),
             _float_code(o.label_smoothing), _float_code(o.z_loss),
             _NO_SOFTCAP if o.softcap is None else _float_code(o.softcap), _float_code(o.temperature),
             int(o.with_entropy), _dtype_code(matmul_dtype), _policy_code(o.policy), target.numel(), target_checksum,
@@ -350,6 +363,16 @@ class Facts:
 
     def row(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+
+def _count_code(count, device):
+    """``num_valid_tokens`` as a fact: -1 for None, an int as it is, a tensor as an int64 on the
+    exchange's device (no host read)."""
+    if count is None:
+        return -1
+    if isinstance(count, torch.Tensor):
+        return count.reshape(()).to(device, torch.int64)
+    return int(count)
 
 
 _FACT_FIELDS = dataclasses.fields(Facts)

@@ -199,8 +199,9 @@ def _loss_grad_kernel(
     tl.store(SUM + row, tot)
     tl.store(LOSS + row, tl.where(valid, loss, 0.0))
     r = tl.where(valid, 1.0, 0.0)
-    if MEAN:  # 1 / n_valid, rounded as torch's division (all ignored: r = 0, the gradient 0)
-        r = tl.div_rn(r, tl.maximum(tl.load(NV).to(tl.float32), 1.0))
+    if MEAN:  # 1 / n_valid, rounded as torch's division, on valid rows (all ignored: the gradient 0;
+        # a given count of 0 with valid rows: inf, as the mean's derivative)
+        r = tl.where(valid, tl.div_rn(1.0, tl.load(NV).to(tl.float32)), 0.0)
     a = r
     if ZLOSS:
         a = r * (1.0 + 2.0 * zl * (m + log_s))
