@@ -70,8 +70,7 @@ def apply(model, **options):
     base = _base_model(model)
     if base is None:
         raise TypeError(f"{type(model).__name__} has no base model at model.base_model or model.model")
-    config = getattr(model, "config", None)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text_config = _text_config(model)
     for name in _REFUSED:
         value = getattr(text_config, name, None)
         if value not in (None, False, 0, 1, 1.0) or (name == "output_router_logits" and value):
@@ -111,6 +110,19 @@ def is_applied(model) -> bool:
     return getattr(getattr(fn, "__func__", None), _MARK, False)
 
 
+def _text_config(model):
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:   # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
 def _base_model(model):
     base = getattr(model, "base_model", None)
     if base is None or base is model:
@@ -144,6 +156,11 @@ def _loss_forward(model, hf_forward, op_options, args, kwargs):
     elif isinstance(num_items, float) and num_items.is_integer():
         num_items = int(num_items)
     head = model.get_output_embeddings()
+    rows = getattr(head, "out_features", None) or getattr(_text_config(model), "vocab_size", None)
+    if not _is_dtensor(head.weight) and rows is not None and head.weight.shape[0] != rows:
+        raise ValueError(
+            f"the lm_head weight holds {head.weight.shape[0]} of the vocab's {rows} rows: a vocab-sharded lm_head "
+            "must be a DTensor Shard(0) (HF's tp_plan), whose mesh gives the group")
     loss = vparallel_ce.linear_cross_entropy(
         hidden, head.weight, shift_labels, getattr(head, "bias", None),
         ignore_index=ignore_index, num_valid_tokens=num_items, **op_options)
