@@ -1,8 +1,8 @@
 """The minimal examples in launch/examples/ run on CPU and check themselves (each ends with OK).
 
 tp_cross_entropy.py spawns its two gloo processes itself, and also runs under torchrun;
-rl_logprobs.py is one process; grad_accumulation.py spawns two (DDP and FSDP2). Each run has a
-bounded wall time.
+rl_logprobs.py is one process; grad_accumulation.py spawns two (DDP and FSDP2); hf_llama.py is one
+process and needs transformers (skipped without it). Each run has a bounded wall time.
 """
 
 from __future__ import annotations
@@ -38,8 +38,11 @@ def _free_port() -> int:
     ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "PORT", "tp_cross_entropy.py"],
     ["rl_logprobs.py"],
     ["grad_accumulation.py"],
-], ids=["tp-spawned", "tp-torchrun", "rl", "grad-accumulation"])
+    ["hf_llama.py"],
+], ids=["tp-spawned", "tp-torchrun", "rl", "grad-accumulation", "hf-llama"])
 def test_example_runs_and_checks_itself(tmp_path, cmd):
+    if cmd == ["hf_llama.py"]:
+        pytest.importorskip("transformers")
     cmd = [str(EXAMPLES / c) if c.endswith(".py") else str(_free_port()) if c == "PORT" else c for c in cmd]
     proc = subprocess.run([sys.executable, *cmd], cwd=tmp_path, env=_env(), capture_output=True, text=True,
                           timeout=TIMEOUT, stdin=subprocess.DEVNULL)
