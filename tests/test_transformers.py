@@ -125,6 +125,20 @@ def test_options_remove_and_copies():
     assert not vt.is_applied(model) and model(ids, labels=labels).logits is not None
     with pytest.raises(ValueError, match="logits_to_keep"):
         twin(ids, labels=labels, logits_to_keep=1)
+    with pytest.raises(NotImplementedError, match="output_router_logits"):
+        twin(ids, labels=labels, output_router_logits=True)
+
+
+def test_heads_it_cannot_compute_are_refused():
+    scaled = _model("llama", tied=False)
+    scaled.config.logit_scale = 0.0625          # Cohere-style logit scale
+    with pytest.raises(NotImplementedError, match="logit_scale"):
+        vt.apply(scaled)
+    shard = vt.apply(_model("llama", tied=False))
+    shard.lm_head.weight = torch.nn.Parameter(shard.lm_head.weight.detach()[: V // 2].clone())  # a plain local shard
+    ids, labels = _batch()
+    with pytest.raises(ValueError, match="DTensor"):
+        shard(ids, labels=labels)
 
 
 def _trainer_run(tmp_path, applied: bool):

@@ -47,7 +47,7 @@ __all__ = ["apply", "remove", "is_applied", "OPTIONS"]
 OPTIONS = ("chunks", "schedule", "recompute", "policy", "check", "check_replicated", "z_loss", "label_smoothing")
 
 # config attributes of heads that are more than ``hidden @ W.T (+ b)`` followed by the loss
-_REFUSED = ("logit_scale", "logits_scaling", "output_router_logits", "router_aux_loss_coef")
+_REFUSED = ("logit_scale", "logits_scaling", "output_router_logits")
 
 _MARK = "_vparallel_ce_forward"
 
@@ -73,7 +73,7 @@ def apply(model, **options):
     text_config = _text_config(model)
     for name in _REFUSED:
         value = getattr(text_config, name, None)
-        if value not in (None, False, 0, 1, 1.0) or (name == "output_router_logits" and value):
+        if value not in (None, False, 1, 1.0) or (name == "output_router_logits" and value):
             raise NotImplementedError(
                 f"{type(model).__name__}: config.{name}={value!r} changes the head's logits or loss beyond "
                 "hidden @ W.T + b; vparallel_ce.integrations.transformers does not handle it")
@@ -143,6 +143,9 @@ def _loss_forward(model, hf_forward, op_options, args, kwargs):
     ignore_index = call.pop("ignore_index", -100)
     return_dict = call.pop("return_dict", None)
     logits_to_keep = call.pop("logits_to_keep", 0)
+    if call.get("output_router_logits"):
+        raise NotImplementedError("output_router_logits: the router's auxiliary loss is not added by "
+                                  "vparallel_ce.integrations.transformers")
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         raise ValueError("logits_to_keep applies to calls without labels (the loss needs every position)")
 
@@ -151,8 +154,10 @@ def _loss_forward(model, hf_forward, op_options, args, kwargs):
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
-    if isinstance(num_items, torch.Tensor) and num_items.is_floating_point():
-        num_items = num_items.round().to(torch.int64)   # the Trainer's count may come as a float tensor
+    if isinstance(num_items, torch.Tensor):
+        num_items = num_items.to(hidden.device)
+        if num_items.is_floating_point():
+            num_items = num_items.round().to(torch.int64)   # the Trainer's count may come as a float tensor
     elif isinstance(num_items, float) and num_items.is_integer():
         num_items = int(num_items)
     head = model.get_output_embeddings()
