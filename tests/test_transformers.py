@@ -2,7 +2,7 @@
 
 Each case builds the same model twice (one with ``apply``) and checks the loss and every
 parameter's gradient, with ignored labels, with ``num_items_in_batch``, with tied and untied
-embeddings and with an lm_head bias; the forward without labels is HF's, bit for bit. A few
+embeddings, with an lm_head bias and Gemma2's logit soft-capping; the forward without labels is HF's, bit for bit. A few
 ``Trainer`` steps under gradient accumulation match a run without ``apply``; at TP 2 (HF's
 ``tp_plan="auto"`` on gloo) the loss and the gathered gradients match world 1.
 """
@@ -27,6 +27,9 @@ def _model(kind: str, tied: bool, bias: bool = False, dtype=torch.float64):
     torch.manual_seed(0)
     if kind == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, tie_word_embeddings=tied))
+    elif kind == "gemma2":   # final_logit_softcapping: the op's softcap
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **SMALL, head_dim=8, final_logit_softcapping=2.0, tie_word_embeddings=tied))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, tie_word_embeddings=tied))
     if bias:   # an lm_head with a bias: HF's forward calls the module, ours passes its bias to the op
@@ -50,8 +53,8 @@ def _grads(model):
 
 @pytest.mark.parametrize("kind,tied,bias", [
     ("llama", True, False), ("llama", False, False), ("llama", False, True), ("qwen2", True, False),
-    ("qwen2", False, False),
-], ids=["llama-tied", "llama-untied", "llama-bias", "qwen2-tied", "qwen2-untied"])
+    ("qwen2", False, False), ("gemma2", True, False),
+], ids=["llama-tied", "llama-untied", "llama-bias", "qwen2-tied", "qwen2-untied", "gemma2-softcap"])
 @pytest.mark.parametrize("num_items", [None, 13, "tensor"])
 def test_loss_and_every_gradient_match_hf(kind, tied, bias, num_items):
     ref = _model(kind, tied, bias)
