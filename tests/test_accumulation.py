@@ -140,3 +140,46 @@ def test_the_module_wrappers_take_the_count_per_call():
     assert torch.equal(vparallel_ce.build_loss_fn("chunked")(h @ w.T, t, num_valid_tokens=4),
                        vparallel_ce.cross_entropy(h @ w.T, t, num_valid_tokens=4))
     torch.testing.assert_close(vparallel_ce.build_loss_fn("naive")(h @ w.T, t, num_valid_tokens=4), want)
+
+
+def test_a_negative_tensor_count_without_an_exchange_is_nan_never_a_number():
+    h, w, t = _case()
+    for fn in (lambda n: vparallel_ce.linear_cross_entropy(h, w, t, num_valid_tokens=n),
+               lambda n: vparallel_ce.cross_entropy(h @ w.T, t, num_valid_tokens=n),
+               lambda n: vparallel_ce.build_loss_fn("naive")(h @ w.T, t, num_valid_tokens=n)):
+        assert torch.isnan(fn(torch.tensor(-5))).item()
+
+
+def negative_count_rank(rank, world):
+    import torch.distributed as dist
+
+    h, w, t = _case()
+    w = shard(w, world, rank, 0)
+    group = dist.group.WORLD
+    return errors_of({
+        "negative everywhere": lambda: vparallel_ce.linear_cross_entropy(
+            h, w, t, group=group, num_valid_tokens=torch.tensor(-5)),
+        "None against -1": lambda: vparallel_ce.cross_entropy(
+            h @ w.T, t, group=group, num_valid_tokens=None if rank == 0 else torch.tensor(-1)),
+    })
+
+
+def test_a_negative_count_on_a_group_raises_on_every_rank():
+    for errors in run_ranks(negative_count_rank, 2, timeout=60):
+        assert "num_valid_tokens must be >= 0, got -5" in errors["negative everywhere"], errors
+        assert "num valid tokens: rank 0: None, rank 1: -1" in errors["None against -1"], errors
+
+
+def test_the_reference_module_checks_the_count_as_the_ops_do():
+    h, w, t = _case()
+    naive = vparallel_ce.build_loss_fn("naive", reduction="sum")
+    with pytest.raises(ValueError, match="num_valid_tokens is the divisor of reduction='mean'"):
+        naive(h @ w.T, t, num_valid_tokens=5)
+    with pytest.raises(ValueError, match="num_valid_tokens must be"):
+        vparallel_ce.build_loss_fn("naive")(h @ w.T, t, num_valid_tokens=2.5)
+
+
+@pytest.mark.parametrize("labels", [torch.tensor([True, False]), torch.tensor([1.0, 2.0]), torch.tensor([1j])])
+def test_count_valid_tokens_takes_integer_labels_only(labels):
+    with pytest.raises(TypeError, match="labels must be integer tensors"):
+        vparallel_ce.count_valid_tokens(labels)

@@ -55,7 +55,7 @@ def test_create_graph_leaves_the_first_derivative_unchanged(name):
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean"])
-@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy"])
+@pytest.mark.parametrize("op", ["cross_entropy", "linear_cross_entropy", "linear_cross_entropy grads in forward"])
 def test_a_derivative_with_respect_to_the_upstream_gradient_raises(op, reduction):
     """The gradients are linear in the upstream gradient ``v``; d(grad)/dv through a backward run
     without autograd would come out as nothing (or zero), so it raises too."""
@@ -65,9 +65,12 @@ def test_a_derivative_with_respect_to_the_upstream_gradient_raises(op, reduction
     t = torch.randint(0, V, (N,), generator=g)
     if op == "cross_entropy":
         out = vparallel_ce.cross_entropy(h @ w.T, t, reduction=reduction, chunks=1)
-    else:
+    elif op == "linear_cross_entropy":
         out = vparallel_ce.linear_cross_entropy(h, w, t, reduction=reduction, chunks=1)
+    else:  # the gradients for 1 are made in forward (mean/sum only): a loss weight that needs grad
+        out = vparallel_ce.linear_cross_entropy(h, w, t, reduction="sum" if reduction == "none" else reduction,
+                                                chunks=2, recompute=False)
     v = torch.randn(out.shape, generator=g, dtype=torch.float64, requires_grad=True)
-    (dh,) = torch.autograd.grad(out, h, grad_outputs=v, create_graph=True)
     with pytest.raises(SecondDerivativeError, match="has no second derivative"):
-        torch.autograd.grad(dh.square().sum(), v)
+        (dh,) = torch.autograd.grad(out, h, grad_outputs=v, create_graph=True)
+        torch.autograd.grad(dh.square().sum(), (v, h))

@@ -53,7 +53,7 @@ class Call:
         counts: the token count of every rank (sequence parallel) or of this rank.
         matmul_dtype: the dtype of the lm_head matmuls (the autocast dtype inside ``torch.autocast``,
             else the inputs' own); statistics and gradient sums are fp32 whatever it is.
-        divisor: ``num_valid_tokens`` as a 0-dim int64 tensor on the inputs' device (the mean's
+        divisor: ``num_valid_tokens`` as a 0-dim float64 tensor on the inputs' device (the mean's
             divisor), or None: the call counts its valid tokens itself.
         kernels: the kernel settings in force at the call (:func:`vparallel_ce.kernels.settings`),
             kept so that its backward, which autograd may run on another thread, uses the same.
@@ -167,14 +167,17 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
 
 
 def _divisor(o: Options, device: torch.device) -> torch.Tensor | None:
-    """``num_valid_tokens`` as a 0-dim int64 tensor on ``device``: made by a fill kernel from an
-    int, moved without a host read from a tensor."""
+    """``num_valid_tokens`` as a 0-dim float64 tensor on ``device`` (exact up to 2^53 tokens): made
+    by a fill kernel from an int, from a tensor without a host read -- so a negative tensor count,
+    which only a group's exchange can refuse, becomes nan here (a nan loss and gradients, never a
+    plausible number)."""
     count = o.num_valid_tokens
     if count is None:
         return None
     if isinstance(count, torch.Tensor):
-        return count.reshape(()).to(device, torch.int64, non_blocking=True)
-    return torch.full((), count, dtype=torch.int64, device=device)
+        n = count.reshape(()).to(device, torch.float64, non_blocking=True)
+        return torch.where(n >= 0, n, float("nan"))
+    return torch.full((), count, dtype=torch.float64, device=device)
 
 
 def _rows(x: torch.Tensor, n: int, width: int) -> torch.Tensor:

@@ -97,8 +97,9 @@ def count_valid_tokens(labels, *, ignore_index: int = -100, group=None) -> torch
     if not labels:
         raise ValueError("count_valid_tokens: labels is empty")
     for t in labels:
-        if not isinstance(t, torch.Tensor) or t.is_floating_point():
-            raise TypeError("count_valid_tokens: labels must be integer tensors")
+        if not isinstance(t, torch.Tensor) or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError("count_valid_tokens: labels must be integer tensors, got "
+                            f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
     n = torch.stack([_local(t).ne(ignore_index).sum() for t in labels]).sum().to(torch.int64)
     return comm.all_reduce_sum_(n, comm.resolve_group(group))
 

@@ -34,7 +34,7 @@ from .layout import VocabLayout, shard_sizes
 from .linear import linear_cross_entropy
 from .options import Options
 from .stats import compute_dtype
-from .validate import check_options
+from .validate import check_call_options, check_options
 
 __all__ = ["build_loss_fn", "PlainCrossEntropy", "VocabParallelCrossEntropy", "LinearCrossEntropy", "LOSSES"]
 
@@ -111,6 +111,9 @@ class PlainCrossEntropy(_LossModule):
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor, *, num_valid_tokens=None) -> torch.Tensor:
         o = Options(**{k: v for k, v in _with_count(self.options, num_valid_tokens).items() if k != "group"})
+        problem = check_call_options(o)  # the count is a per-call value: checked here, not at construction
+        if problem is not None:
+            problem.raise_()
         group = comm.resolve_group(self.options.get("group"))
         if is_dtensor(logits):
             logits = logits.full_tensor()
@@ -130,7 +133,10 @@ class PlainCrossEntropy(_LossModule):
             return per.reshape(target.shape)
         if o.reduction == "sum":
             return per.sum()
-        return per.sum() / (valid.sum() if o.num_valid_tokens is None else o.num_valid_tokens)
+        if o.num_valid_tokens is None:
+            return per.sum() / valid.sum()
+        n = torch.as_tensor(o.num_valid_tokens).to(per.device, torch.float64).reshape(())
+        return per.sum() / torch.where(n >= 0, n, float("nan"))  # as the ops: a negative count is nan
 
 
 def _gather_vocab(x: torch.Tensor, group) -> torch.Tensor:

@@ -65,10 +65,11 @@ def first_order_only(op: str):
             # the op's saved inputs and the upstream gradients that require grad tie the refusing
             # node into the graph, so that a second derivative with respect to any of them reaches
             # it (the gradients are linear in the upstream ones, which the no_grad backward hides)
-            anchors = [t for t in (*ctx.saved_tensors, *grad_outputs)
-                       if isinstance(t, torch.Tensor) and t.requires_grad]
-            if not anchors:  # nothing to tie the node to (gradients made in forward): refuse now
+            inputs = [t for t in ctx.saved_tensors if t is not None and t.requires_grad]
+            if not inputs:  # gradients made in forward: no input to tie the node to, so a second
+                # derivative with respect to them could not reach it -- refuse now
                 raise _refusal(op)
+            anchors = inputs + [g for g in grad_outputs if isinstance(g, torch.Tensor) and g.requires_grad]
             refused = iter(_Refuse.apply(op, len(anchors), *anchors, *tensors))
             return tuple(next(refused) if isinstance(g, torch.Tensor) else g for g in grads)
 

@@ -321,7 +321,7 @@ class Facts:
     fused_kernels: int = _shown(lambda c: str(bool(c)))
     ignore_index: int = _shown(str)
     # the mean's divisor, if given (-1: none); a tensor count rides on the exchange as it is
-    num_valid_tokens: object = _shown(lambda c: "None" if c == -1 else str(c))
+    num_valid_tokens: object = _shown(lambda c: "None" if c == _NO_COUNT else str(c))
     label_smoothing: int = _shown(_show_float)
     z_loss: int = _shown(_show_float)
     softcap: int = _shown(_show_softcap)
@@ -365,11 +365,14 @@ class Facts:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
 
 
+_NO_COUNT = -(2**63)  # num_valid_tokens=None: no count, negative or not, has this code
+
+
 def _count_code(count, device):
-    """``num_valid_tokens`` as a fact: -1 for None, an int as it is, a tensor as an int64 on the
-    exchange's device (no host read)."""
+    """``num_valid_tokens`` as a fact: :data:`_NO_COUNT` for None, an int as it is, a tensor as an
+    int64 on the exchange's device (no host read; a negative one is refused after the exchange)."""
     if count is None:
-        return -1
+        return _NO_COUNT
     if isinstance(count, torch.Tensor):
         return count.reshape(()).to(device, torch.int64)
     return int(count)
@@ -460,6 +463,7 @@ def agree(
                 problem.raise_()
             raise InvalidInputError("invalid input on rank(s) " + "; ".join(f"{r}: {messages[r]}" for r in bad))
         _check_facts([row[_HEAD:] for row in rows], group, policy)
+        _check_count(rows[0][_HEAD + _NUM_VALID])
         vocab_size = _check_sizes([row[1] for row in rows], [row[2] for row in rows], vocab_size, world)
         if span:
             _check_targets([row[3:5] for row in rows], vocab_size)
@@ -474,6 +478,15 @@ def agree(
 
 
 _COUNT = [f.name for f in _FACT_FIELDS].index("token_count")
+_NUM_VALID = [f.name for f in _FACT_FIELDS].index("num_valid_tokens")
+
+
+def _check_count(code: int) -> None:
+    """A tensor ``num_valid_tokens`` is only read here, from the exchange (the ranks agree on it
+    by now): a negative count raises on every rank. (Without an exchange a negative count makes
+    the loss nan: :func:`vparallel_ce.call._divisor`.)"""
+    if code != _NO_COUNT and code < 0:
+        raise InvalidInputError(f"num_valid_tokens must be >= 0, got {code}")
 _SP = [f.name for f in _FACT_FIELDS].index("sequence_parallel")
 
 
