@@ -183,3 +183,10 @@ def test_the_reference_module_checks_the_count_as_the_ops_do():
 def test_count_valid_tokens_takes_integer_labels_only(labels):
     with pytest.raises(TypeError, match="labels must be integer tensors"):
         vparallel_ce.count_valid_tokens(labels)
+
+
+@pytest.mark.parametrize("count", [7, torch.tensor(7), torch.tensor(7.0).int()])
+def test_the_loss_keeps_its_dtype_with_a_count(count):
+    h, w, t = (x.float() if x.is_floating_point() else x for x in _case())
+    assert vparallel_ce.linear_cross_entropy(h, w, t, num_valid_tokens=count).dtype == torch.float32
+    assert vparallel_ce.cross_entropy(h @ w.T, t, num_valid_tokens=count).dtype == torch.float32

@@ -319,7 +319,8 @@ def reduce(per_token: torch.Tensor, n_valid: torch.Tensor, reduction: str) -> to
     if reduction == "none":
         return per_token
     total = per_token.sum()
-    return total / n_valid if reduction == "mean" else total
+    # the count in the loss' dtype: a float64 divisor (a given count) must not promote the loss
+    return total / n_valid.to(total.dtype) if reduction == "mean" else total
 
 
 def token_weights(valid: torch.Tensor, n_valid: torch.Tensor | None, reduction: str,

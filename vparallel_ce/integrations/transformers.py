@@ -19,7 +19,7 @@ divisor (``num_valid_tokens``). Tied embeddings need nothing: the lm_head weight
 embedding parameter, and autograd sums both uses' gradients into it. Gemma-style
 ``config.final_logit_softcapping`` becomes ``softcap``.
 
-The HF surface this relies on (``transformers`` 4.56 to 5.x): ``PreTrainedModel.base_model``,
+The HF surface this relies on (verified with ``transformers`` 5.25): ``PreTrainedModel.base_model``,
 ``get_output_embeddings()``, the base model returning ``last_hidden_state`` (after the final norm)
 and its cache / hidden-states / attentions fields under the names ``CausalLMOutputWithPast``
 uses, ``forward(..., **kwargs)`` taking ``num_items_in_batch`` (so the ``Trainer`` passes it: the
