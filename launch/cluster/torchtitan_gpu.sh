@@ -8,25 +8,25 @@
 # Needs torchtitan 0.2.2 and vparallel_ce importable; writes OUTDIR/<spec>.log and OUTDIR/results.jsonl.
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
-out="$1"; steps="${2:-20}"; limit="${3:-170}"
+dest="$1"; steps="${2:-20}"; limit="${3:-170}"
 python="${PYTHON:-python3}"
-mkdir -p "$out"
+mkdir -p "$dest"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-"$python" "$here/torchtitan_assets.py" "$out/assets" --vocab 32000 --docs 1500 --words 200 400 || exit 1
+"$python" "$here/torchtitan_assets.py" "$dest/assets" --vocab 32000 --docs 1500 --words 200 400 || exit 1
 runs=()
 for spec in llama3 llama3_vparallel llama3_vparallel_fused; do
   timeout -k 10 "$limit" "$python" -m torch.distributed.run --nproc-per-node 1 --master-port 29611 \
     "$here/torchtitan_bench.py" --flavor 8B --layers 12 -- \
     --experimental.custom_import vparallel_ce.integrations.torchtitan \
     --job.custom_config_module vparallel_ce.integrations.torchtitan \
-    --model.name "$spec" --model.hf_assets_path "$out/assets/tokenizer" \
-    --training.dataset c4_test --training.dataset_path "$out/assets/data" \
+    --model.name "$spec" --model.hf_assets_path "$dest/assets/tokenizer" \
+    --training.dataset c4_test --training.dataset_path "$dest/assets/data" \
     --training.local_batch_size 1 --training.seq_len 8192 --training.steps "$steps" \
     --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op \
     --optimizer.lr 3e-4 --debug.seed 42 --debug.deterministic \
-    --metrics.log_freq 1 --metrics.disable_color_printing --job.dump_folder "$out/$spec" \
-    > "$out/$spec.log" 2>&1
-  echo "$spec: exit $?, $(grep -c 'step:' "$out/$spec.log") step lines"
-  runs+=("$spec=$out/$spec.log")
+    --metrics.log_freq 1 --metrics.disable_color_printing --job.dump_folder "$dest/$spec" \
+    > "$dest/$spec.log" 2>&1
+  echo "$spec: exit $?, $(grep -c 'step:' "$dest/$spec.log") step lines"
+  runs+=("$spec=$dest/$spec.log")
 done
-"$python" "$here/torchtitan_bench.py" --summarize "${runs[@]}" | tee "$out/results.jsonl"
+"$python" "$here/torchtitan_bench.py" --summarize "${runs[@]}" | tee "$dest/results.jsonl"
