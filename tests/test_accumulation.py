@@ -115,22 +115,29 @@ def test_a_count_with_another_reduction_is_an_error():
         vparallel_ce.cross_entropy(h @ w.T, t, reduction="sum", num_valid_tokens=5)
 
 
-def disagreeing_counts_rank(rank, world):
+def bad_counts_rank(rank, world):
     import torch.distributed as dist
 
     h, w, t = _case()
     w = shard(w, world, rank, 0)
+    group = dist.group.WORLD
     return errors_of({
-        "int": lambda: vparallel_ce.linear_cross_entropy(h, w, t, group=dist.group.WORLD, num_valid_tokens=5 + rank),
-        "tensor": lambda: vparallel_ce.cross_entropy(
-            h @ w.T, t, group=dist.group.WORLD, num_valid_tokens=torch.tensor(7 if rank else 9)),
+        "different ints": lambda: vparallel_ce.linear_cross_entropy(h, w, t, group=group, num_valid_tokens=5 + rank),
+        "different tensors": lambda: vparallel_ce.cross_entropy(
+            h @ w.T, t, group=group, num_valid_tokens=torch.tensor(7 if rank else 9)),
+        "negative everywhere": lambda: vparallel_ce.linear_cross_entropy(
+            h, w, t, group=group, num_valid_tokens=torch.tensor(-5)),
+        "None against -1": lambda: vparallel_ce.cross_entropy(
+            h @ w.T, t, group=group, num_valid_tokens=None if rank == 0 else torch.tensor(-1)),
     })
 
 
-def test_ranks_that_pass_different_counts_raise_on_every_rank():
-    for errors in run_ranks(disagreeing_counts_rank, 2, timeout=60):
-        assert "num valid tokens: rank 0: 5, rank 1: 6" in errors["int"], errors
-        assert "num valid tokens: rank 0: 9, rank 1: 7" in errors["tensor"], errors
+def test_ranks_that_pass_different_or_negative_counts_raise_on_every_rank():
+    for errors in run_ranks(bad_counts_rank, 2, timeout=60):
+        assert "num valid tokens: rank 0: 5, rank 1: 6" in errors["different ints"], errors
+        assert "num valid tokens: rank 0: 9, rank 1: 7" in errors["different tensors"], errors
+        assert "num_valid_tokens must be >= 0, got -5" in errors["negative everywhere"], errors
+        assert "num valid tokens: rank 0: None, rank 1: -1" in errors["None against -1"], errors
 
 
 def test_the_module_wrappers_take_the_count_per_call():
@@ -148,26 +155,6 @@ def test_a_negative_tensor_count_without_an_exchange_is_nan_never_a_number():
                lambda n: vparallel_ce.cross_entropy(h @ w.T, t, num_valid_tokens=n),
                lambda n: vparallel_ce.build_loss_fn("naive")(h @ w.T, t, num_valid_tokens=n)):
         assert torch.isnan(fn(torch.tensor(-5))).item()
-
-
-def negative_count_rank(rank, world):
-    import torch.distributed as dist
-
-    h, w, t = _case()
-    w = shard(w, world, rank, 0)
-    group = dist.group.WORLD
-    return errors_of({
-        "negative everywhere": lambda: vparallel_ce.linear_cross_entropy(
-            h, w, t, group=group, num_valid_tokens=torch.tensor(-5)),
-        "None against -1": lambda: vparallel_ce.cross_entropy(
-            h @ w.T, t, group=group, num_valid_tokens=None if rank == 0 else torch.tensor(-1)),
-    })
-
-
-def test_a_negative_count_on_a_group_raises_on_every_rank():
-    for errors in run_ranks(negative_count_rank, 2, timeout=60):
-        assert "num_valid_tokens must be >= 0, got -5" in errors["negative everywhere"], errors
-        assert "num valid tokens: rank 0: None, rank 1: -1" in errors["None against -1"], errors
 
 
 def test_the_reference_module_checks_the_count_as_the_ops_do():

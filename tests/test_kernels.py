@@ -297,9 +297,10 @@ _TARGET_FACTS_CHECKS = textwrap.dedent(
 
     def mixed(i, v):  # validate.target_checksum's mix of one (position, id), in Python integers
         m = (1 << 64) - 1
-        x = (v * validate._K1 + (i + 1) * validate._K2) & m
+        k1, k2, k3 = validate.TARGET_MIX
+        x = (v * k1 + (i + 1) * k2) & m
         x ^= x >> 32 if x < 1 << 63 else (x >> 32) | (m ^ (m >> 32))  # an arithmetic shift
-        x = (x * validate._K3) & m
+        x = (x * k3) & m
         return x ^ (x >> 29 if x < 1 << 63 else (x >> 29) | (m ^ (m >> 29)))
 
     def want(u, ignore):

@@ -112,9 +112,9 @@ def linear_cross_entropy(
         gradient (summed over the group), or this rank's token rows of it with ``sequence_parallel``.
     """
     options = Options(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                      num_valid_tokens=num_valid_tokens, z_loss=z_loss, softcap=softcap, chunks=chunks, schedule=schedule, recompute=recompute, policy=policy,
-                      vocab_size=vocab_size, sequence_parallel=sequence_parallel, check=check,
-                      check_replicated=check_replicated)
+                      num_valid_tokens=num_valid_tokens, z_loss=z_loss, softcap=softcap, chunks=chunks,
+                      schedule=schedule, recompute=recompute, policy=policy, vocab_size=vocab_size,
+                      sequence_parallel=sequence_parallel, check=check, check_replicated=check_replicated)
     call, inp = linear_call(hidden, weight, target, bias, op="linear_cross_entropy", group=group, options=options)
     out = _LinearCrossEntropy.apply(inp.h, inp.w, inp.b, inp.target, call)
     return out.reshape(inp.shape) if reduction == "none" else out

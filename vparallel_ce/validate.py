@@ -320,7 +320,7 @@ class Facts:
     recompute: int = _shown(lambda c: {-1: "None", 0: "False", 1: "True"}.get(c, "?"))
     fused_kernels: int = _shown(lambda c: str(bool(c)))
     ignore_index: int = _shown(str)
-    # the mean's divisor, if given (-1: none); a tensor count rides on the exchange as it is
+    # the mean's divisor, if given (_NO_COUNT: none); a tensor count rides on the exchange as it is
     num_valid_tokens: object = _shown(lambda c: "None" if c == _NO_COUNT else str(c))
     label_smoothing: int = _shown(_show_float)
     z_loss: int = _shown(_show_float)
@@ -554,10 +554,12 @@ def _target_facts(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return torch.stack([lo, hi, target_checksum(t)])
 
 
-# odd multipliers (splitmix64's and murmur3's), as signed ints; the Triton kernels of
-# vparallel_ce.kernels.targets use the same ones
-_K1, _K2, _K3 = -7046029254386353131, -4658895280553007687, -7723592293110705685
-_W1, _W2 = -1640531535, -2048144789
+# odd multipliers (splitmix64's and murmur3's), as signed ints: the mixes of target_checksum and
+# word_checksum, which the Triton kernels of vparallel_ce.kernels.targets reproduce with these
+TARGET_MIX = (-7046029254386353131, -4658895280553007687, -7723592293110705685)
+WORD_MIX = (-1640531535, -2048144789)
+_K1, _K2, _K3 = TARGET_MIX
+_W1, _W2 = WORD_MIX
 
 
 def target_checksum(t: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,8 @@ _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 # The settings of the code running now, as set by :func:`use`; unset outside any ``use`` block.
 _CURRENT: contextvars.ContextVar[KernelSettings] = contextvars.ContextVar("vparallel_ce.kernels.settings")
+
+
 def settings() -> KernelSettings:
     """The current :class:`KernelSettings`: those of the innermost :func:`use` block around this
     code, else those of the environment at import. Each call reads them once, at its front door,
@@ -149,9 +151,8 @@ def use(kernels: str | KernelChoice | None = None, *, fused: bool | None = None,
 
     ``kernels``: ``"auto"``, ``"torch"`` or ``"triton"`` (:class:`KernelChoice`); ``fused``,
     ``warp_specialized``: the fields of :class:`KernelSettings`. Arguments are checked here
-    (``ValueError``). The block's settings hold for the code it runs in its thread, and for the
-    backward passes run inside it, on autograd's own threads too; a backward run after the block
-    gets the settings in force then, so keep a call's forward and backward in one block. Use the
+    (``ValueError``). The block's settings hold for the code it runs in its thread; each call made
+    in it keeps them, so its backward uses them wherever and whenever autograd runs it. Use the
     same settings on every rank of a group: they decide the plan."""
     changes = {}
     if kernels is not None:

@@ -23,10 +23,12 @@ import triton.language as tl
 
 __all__ = ["target_facts", "word_checksum"]
 
-# the mixing constants of vparallel_ce.validate.target_checksum / word_checksum (odd multipliers of
-# splitmix64 and murmur3, written as signed ints; constexpr, as a kernel may read no other global)
-_K1, _K2, _K3 = (tl.constexpr(k) for k in (-7046029254386353131, -4658895280553007687, -7723592293110705685))
-_W1, _W2 = tl.constexpr(-1640531535), tl.constexpr(-2048144789)
+from ..validate import TARGET_MIX, WORD_MIX
+
+# the mixing constants of vparallel_ce.validate.target_checksum / word_checksum, as constexpr (a
+# kernel may read no other global)
+_K1, _K2, _K3 = (tl.constexpr(k) for k in TARGET_MIX)
+_W1, _W2 = (tl.constexpr(k) for k in WORD_MIX)
 
 BLOCK = 2048
 
