@@ -7,6 +7,8 @@ Public API:
 * :func:`linear_cross_entropy` -- hidden states + the lm_head weight shard, no full logits;
 * :func:`token_logprobs`, :func:`linear_token_logprobs` -- per-token log-probs and entropy for RL,
   from sharded logits or hidden states, with gradients;
+* :func:`distillation_loss` -- forward/reverse KL or JSD between a student's and a teacher's
+  vocab-sharded logits (plus an optional hard cross-entropy term), with the student's gradient;
 * :func:`count_valid_tokens` -- the valid tokens of a step over its data-parallel ranks, the
   ``num_valid_tokens`` of the ops for exact gradient accumulation;
 * :func:`build_loss_fn` and the ``nn.Module`` wrappers -- string-configurable losses;
@@ -16,6 +18,7 @@ Public API:
 """
 
 from .cross_entropy import cross_entropy
+from .distillation import distillation_loss
 from .linear import linear_cross_entropy
 from .logprobs import linear_token_logprobs, token_logprobs
 from .pipeline import count_valid_tokens
@@ -27,6 +30,7 @@ from . import megatron, pipeline, policy  # noqa: E402  (submodules of the publi
 
 __all__ = [
     "cross_entropy",
+    "distillation_loss",
     "linear_cross_entropy",
     "token_logprobs",
     "linear_token_logprobs",

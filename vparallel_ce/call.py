@@ -31,12 +31,12 @@ from .policy import Plan
 from .stats import LossSpec
 from .options import Options
 from .validate import (
-    DeferredTargetCheck, Facts, agree, check_call_options, check_linear, check_logits, hidden_checksum,
-    replication_checked,
+    DeferredTargetCheck, Facts, agree, check_call_options, check_linear, check_logits, check_teacher,
+    hidden_checksum, replication_checked,
 )
 
-__all__ = ["Call", "LogitsInputs", "LinearInputs", "logits_call", "linear_call", "autocast_dtype", "autocast_off",
-           "is_dtensor", "local"]
+__all__ = ["Call", "LogitsInputs", "LinearInputs", "logits_call", "distillation_call", "linear_call", "autocast_dtype",
+           "autocast_off", "is_dtensor", "local"]
 
 
 @dataclass(frozen=True)
@@ -102,16 +102,20 @@ class LinearInputs:
     shape: torch.Size
 
 
-def logits_call(logits, target, *, op: str, group, options: Options) -> tuple[Call, LogitsInputs]:
+def logits_call(logits, target, *, op: str, group, options: Options, more_checks=None,
+                target_given: bool = True) -> tuple[Call, LogitsInputs]:
     """The front door of ops over vocab-sharded logits ``[..., V_local]``. ``op``: the op's name
-    (:data:`~vparallel_ce.validate.OPS`); ``options``: what the op was given."""
+    (:data:`~vparallel_ce.validate.OPS`); ``options``: what the op was given; ``more_checks``: the
+    op's own checks of its other inputs, given the local logits (a Problem or None);
+    ``target_given``: False where ``target`` is a stand-in (:func:`distillation_call`)."""
     o = options
     logits, target, group, vocab_size = _unwrap_logits(logits, target, group, o.vocab_size)
     group = comm.resolve_group(group)
-    problem = check_call_options(o) or check_logits(logits, target)
+    problem = check_call_options(o) or check_logits(logits, target) or (more_checks and more_checks(logits))
 
     def facts(target_checksum):  # made only for a group's exchange
-        return Facts.of(op=op, options=o, inputs=(logits,), target=target, target_checksum=target_checksum)
+        return Facts.of(op=op, options=o, inputs=(logits,), target=target, target_checksum=target_checksum,
+                        target_given=target_given)
 
     agreed = agree(problem, group, local_size=lambda: logits.shape[-1], facts=facts, device=_device(logits),
                    options=o, vocab_size=vocab_size, target=target)
@@ -121,6 +125,28 @@ def logits_call(logits, target, *, op: str, group, options: Options) -> tuple[Ca
     call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, counts=(n,), divisor=_divisor(o, logits.device),
                 pending=agreed.pending)
     return call, LogitsInputs(_rows(logits, n, lay.local_size), _flat(target), target.shape)
+
+
+def distillation_call(student, teacher, target, *, group, options: Options
+                      ) -> tuple[Call, LogitsInputs, torch.Tensor]:
+    """The front door of :func:`vparallel_ce.distillation_loss`: :func:`logits_call` on the
+    student's logits, with the teacher's checked against them (same local shape: the same shard of
+    the same vocab), and the teacher's ``[N, V_local]`` rows besides. Without a target the call
+    checks and exchanges a stand-in of zeros (every token counts; ``target_given`` is one of the
+    agreed facts)."""
+    given = target is not None
+    if not given:
+        base = local(student)
+        target = (torch.zeros(base.shape[:-1], dtype=torch.int64, device=base.device)
+                  if isinstance(base, torch.Tensor) and base.dim() >= 1 else None)
+    teacher = local(teacher)
+
+    def more_checks(logits):
+        return check_teacher(logits, teacher, target_given=given, hard_weight=options.hard_weight)
+
+    call, inp = logits_call(student, target, op="distillation_loss", group=group, options=options,
+                            more_checks=more_checks, target_given=given)
+    return call, inp, _rows(teacher, inp.target.numel(), call.layout.local_size)
 
 
 def linear_call(hidden, weight, target, bias, *, op: str, group, options: Options) -> tuple[Call, LinearInputs]:

@@ -31,7 +31,11 @@ class Options:
             valid tokens of a whole gradient-accumulation step over its data-parallel ranks, as
             Hugging Face's ``num_items_in_batch``); None: this call's own valid tokens.
         z_loss, softcap: the loss' extra terms (:func:`vparallel_ce.cross_entropy`).
-        temperature, with_entropy: the log-prob ops' distribution and whether the entropy is made.
+        temperature, with_entropy: the log-prob ops' distribution and whether the entropy is made
+            (``temperature`` is also the distillation's softening of both softmaxes).
+        divergence, beta, hard_weight: the distillation's divergence (a
+            :class:`vparallel_ce.divergence.Divergence` value), the JSD mixture weight and the weight
+            of the student's plain cross-entropy (:func:`vparallel_ce.distillation_loss`).
         chunks, schedule, recompute, policy: how the work is planned
             (:meth:`vparallel_ce.policy.ChunkPolicy.plan`).
         vocab_size: the global vocab size, if the caller states it.
@@ -47,6 +51,9 @@ class Options:
     softcap: float | None = None
     temperature: float = 1.0
     with_entropy: bool = False
+    divergence: str = "forward_kl"
+    beta: float = 0.5
+    hard_weight: float = 0.0
     chunks: int | str = "auto"
     schedule: str = "auto"
     recompute: bool | None = None

@@ -25,13 +25,14 @@ import torch
 from . import comm, kernels
 from .layout import VocabLayout, shard_sizes
 from .options import Options
+from .divergence import DIVERGENCES
 from .policy import DEFAULT_POLICY, ChunkPolicy
 from .stats import REDUCTIONS
 
 __all__ = [
     "Problem", "InvalidInputError", "DeferredTargetCheck", "check_options", "check_call_options", "check_logits",
-    "check_linear", "agree", "Agreement", "Facts", "target_checksum", "word_checksum", "hidden_checksum", "OPS",
-    "SCHEDULES",
+    "check_teacher", "check_linear", "agree", "Agreement", "Facts", "target_checksum", "word_checksum",
+    "hidden_checksum", "OPS", "SCHEDULES",
 ]
 
 SCHEDULES = ("auto", "token", "vocab")
@@ -129,6 +130,9 @@ _OPTION_CHECKS = {
     "sequence_parallel": (lambda v: isinstance(v, bool), "True or False"),
     "vocab_size": (lambda v: v is None or _is_int(v, 1, 2**62), "a positive int or None"),
     "with_entropy": (lambda v: isinstance(v, bool), "True or False"),
+    "divergence": (lambda v: v in DIVERGENCES, f"one of {DIVERGENCES}"),
+    "beta": (lambda v: not isinstance(v, bool) and 0.0 <= float(v) <= 1.0, "in [0, 1]"),
+    "hard_weight": (lambda v: not isinstance(v, bool) and 0 <= float(v) < float("inf"), "a finite number >= 0"),
     "num_valid_tokens": (lambda v: v is None or _is_int(v, 0, 2**62) or _integer_scalar(v),
                          "an int >= 0, a one-element integer tensor or None"),
 }
@@ -204,6 +208,24 @@ def check_logits(logits, target) -> Problem | None:
                                     logits.device)
 
 
+def check_teacher(student: torch.Tensor, teacher, *, target_given: bool, hard_weight: float) -> Problem | None:
+    """The distillation's teacher logits against the (checked) student's local logits; and its
+    hard term's need for a target (``hard_weight`` is a checked option by now)."""
+    problem = _check_float("teacher_logits", teacher)
+    if problem is not None:
+        return problem
+    if tuple(teacher.shape) != tuple(student.shape):
+        return Problem(InvalidInputError, f"teacher_logits shape {tuple(teacher.shape)} does not match student_logits "
+                                          f"{tuple(student.shape)}: both must be this rank's shard of the same "
+                                          "[..., V] logits")
+    if teacher.device != student.device:
+        return Problem(ValueError, f"teacher_logits is on {teacher.device} but student_logits on {student.device}")
+    if not target_given and float(hard_weight) > 0:
+        return Problem(ValueError, f"hard_weight={hard_weight} mixes in the student's cross-entropy, which needs a "
+                                   "target; pass target, or hard_weight=0.0")
+    return None
+
+
 def check_linear(hidden, weight, target, bias, *, autocast_dtype: torch.dtype | None) -> Problem | None:
     """``autocast_dtype``: the enclosing ``torch.autocast`` dtype (None outside autocast), under which
     hidden, weight and bias may differ in dtype, as ``F.linear``'s inputs may there."""
@@ -244,7 +266,7 @@ def check_linear(hidden, weight, target, bias, *, autocast_dtype: torch.dtype | 
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool)
-OPS = ("cross_entropy", "linear_cross_entropy", "token_logprobs", "linear_token_logprobs")
+OPS = ("cross_entropy", "linear_cross_entropy", "token_logprobs", "linear_token_logprobs", "distillation_loss")
 _INPUT_NAMES = ("grad mode", "input", "weight", "bias")
 
 
@@ -328,6 +350,12 @@ class Facts:
     temperature: int = _shown(_show_float)
     # the statistics carry the entropy (one more value per token in the all-reduces)
     entropy: int = _shown(lambda c: str(bool(c)))
+    # the distillation's math: each decides what the per-chunk all-reduces carry, and the loss
+    divergence: int = _shown(_show_choice(DIVERGENCES))
+    beta: int = _shown(_show_float)
+    hard_weight: int = _shown(_show_float)
+    # distillation without a target counts every token; with one, ignore_index decides
+    target_given: int = _shown(lambda c: str(bool(c)))
     # the lm_head matmuls' dtype (torch.autocast's inside it): it decides the plan and the kernels
     matmul_dtype: int = _shown(_show_dtype)
     chunk_policy: int = _shown(lambda c: f"a ChunkPolicy with CRC {c}")
@@ -340,10 +368,12 @@ class Facts:
 
     @classmethod
     def of(cls, *, op: str, options: Options, inputs: tuple, target: torch.Tensor, target_checksum,
-           hidden_checksum=_NO_FACT, fused: bool = False, matmul_dtype: torch.dtype | None = None) -> "Facts":
+           hidden_checksum=_NO_FACT, fused: bool = False, matmul_dtype: torch.dtype | None = None,
+           target_given: bool = True) -> "Facts":
         """``inputs``: the op's float inputs, ``(logits,)`` or ``(hidden, weight, bias)``;
         ``fused``, ``matmul_dtype``: the linear ops' kernels and lm_head matmul dtype (False and
-        None for the logits ops)."""
+        None for the logits ops); ``target_given``: False for a distillation without a target
+        (``target`` is then a stand-in of zeros)."""
         o = options
         first, weight, bias = (*inputs, None, None)[:3]
         grads = int(torch.is_grad_enabled())
@@ -358,7 +388,8 @@ class Facts:
             _count_code(o.num_valid_tokens, target.device),
             _float_code(o.label_smoothing), _float_code(o.z_loss),
             _NO_SOFTCAP if o.softcap is None else _float_code(o.softcap), _float_code(o.temperature),
-            int(o.with_entropy), _dtype_code(matmul_dtype), _policy_code(o.policy), target.numel(), target_checksum,
+            int(o.with_entropy), DIVERGENCES.index(o.divergence), _float_code(o.beta), _float_code(o.hard_weight),
+            int(target_given), _dtype_code(matmul_dtype), _policy_code(o.policy), target.numel(), target_checksum,
             hidden_checksum)
 
     def row(self) -> list:

@@ -1,0 +1,129 @@
+"""``distillation_loss``: knowledge distillation between a student's and a teacher's logits, both
+sharded along the vocabulary over the same group.
+
+Forward per token chunk: the chunk's maxima of both softmaxes, one all-reduce MAX of them, the
+sum-exps and the divergence's partial sums relative to those maxima, one all-reduce SUM of them (a
+second one of two floats per token for JSD) -- the math and exactly what crosses ranks are in
+:mod:`vparallel_ce.divergence`. The backward recomputes each chunk's two softmaxes from the saved
+logits and the saved per-token statistics and needs no collective. The teacher is a constant: no
+gradient flows into it. Extra memory: one chunk's fp32 working set (a few ``[chunk, V_local]``
+tensors) in forward and backward, plus the student gradient's buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .call import Call, autocast_off, distillation_call
+from .divergence import Divergence, DistillSpec, DistillStats, grad_student, statistics, token_loss
+from .options import Options
+from .policy import ChunkPolicy
+from .second_order import first_order_only
+from .stats import local_targets, reduce, token_slices, token_weights
+
+__all__ = ["distillation_loss"]
+
+
+def distillation_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    target: torch.Tensor | None = None,
+    *,
+    group=None,
+    kind: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    hard_weight: float = 0.0,
+    num_valid_tokens: int | torch.Tensor | None = None,
+    vocab_size: int | None = None,
+    chunks: int | str = "auto",
+    policy: ChunkPolicy | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    r"""Distillation loss of a student against a teacher whose vocab dim is sharded over ``group``.
+
+    Per token, with ``p = softmax(teacher / T)`` and ``q = softmax(student / T)`` over the GLOBAL
+    vocab: ``T**2 * D + hard_weight * CE(student, target)``, where ``D`` is ``KL(p||q)``
+    (``"forward_kl"``), ``KL(q||p)`` (``"reverse_kl"``) or ``beta KL(p||m) + (1 - beta) KL(q||m)``
+    with ``m = beta p + (1 - beta) q`` (``"jsd"``), and ``CE`` the plain cross-entropy of the student
+    logits at temperature 1.
+
+    Args:
+        student_logits: ``[..., V_local]`` float tensor, this rank's ``torch.chunk(full, world, -1)``
+            slice of the student's logits, or a DTensor ``Shard(-1)`` (its mesh gives the group).
+        teacher_logits: the teacher's logits, the same shard layout and shape (a plain tensor or a
+            DTensor); a constant: it gets no gradient.
+        target: ``[...]`` integer ids in the GLOBAL vocab, the same on every rank, or None (every
+            token counts). Tokens whose target is ``ignore_index`` count 0 and are left out of
+            ``mean``. Needed for ``hard_weight > 0``.
+        group: ProcessGroup or 1-D DeviceMesh the vocab is sharded over; None = unsharded.
+        kind: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"`` (or a
+            :class:`vparallel_ce.divergence.Divergence`).
+        beta: the JSD's mixture weight in ``[0, 1]`` (other kinds ignore it, but the ranks must
+            still agree on it).
+        temperature: ``T > 0``, softening both softmaxes; the loss is scaled by ``T**2``.
+        ignore_index, reduction, num_valid_tokens, vocab_size, chunks, policy, check: as in
+            :func:`vparallel_ce.cross_entropy`.
+        hard_weight: the weight of the student's cross-entropy against ``target`` (``>= 0``).
+
+    Returns:
+        fp32 loss (fp64 for fp64 student logits), a plain tensor: a scalar for ``mean``/``sum``,
+        the token shape for ``none``. ``student_logits.grad`` is this shard's slice of the gradient
+        of that one loss, in the student logits' dtype.
+    """
+    options = Options(reduction=reduction, ignore_index=ignore_index, num_valid_tokens=num_valid_tokens,
+                      temperature=temperature, divergence=kind, beta=beta, hard_weight=hard_weight, chunks=chunks,
+                      policy=policy, vocab_size=vocab_size, check=check)
+    call, inp, teacher = distillation_call(student_logits, teacher_logits, target, group=group, options=options)
+    spec = DistillSpec(Divergence(kind), float(beta), float(temperature), float(hard_weight))
+    out = _Distillation.apply(inp.x, teacher.detach(), inp.target, target is not None, spec, call)
+    return out.reshape(inp.shape) if reduction == "none" else out
+
+
+def _stats_per_chunk(s, t, local_t, owned, spec: DistillSpec, call: Call) -> DistillStats:
+    parts = [statistics(s[sl], t[sl], local_t[sl], owned[sl], spec, call.layout)
+             for sl in token_slices(s.shape[0], call.plan.chunks)]
+    return DistillStats(*(None if f[0] is None else torch.cat(f) for f in zip(*parts)))
+
+
+def _rows_of(st: DistillStats, sl: slice) -> DistillStats:
+    return DistillStats(*(None if f is None else f[sl] for f in st))
+
+
+class _Distillation(torch.autograd.Function):
+    """Forward: statistics per chunk (collectives); backward: the student's closed-form gradient
+    per chunk (local). Autocast is off inside: the math is explicit fp32 (fp64 for fp64)."""
+
+    @staticmethod
+    def forward(ctx, s, t, target, target_given: bool, spec: DistillSpec, call: Call):
+        with autocast_off(s.device.type):
+            lay = call.layout
+            local_t, owned, valid = local_targets(target, lay.offset, lay.local_size, call.spec.ignore_index,
+                                                  all_owned=call.all_owned)
+            if not target_given:  # the target is a stand-in: every token counts
+                valid = torch.ones_like(valid)
+            st = _stats_per_chunk(s, t, local_t, owned, spec, call)
+            n_valid = valid.sum() if call.divisor is None else call.divisor
+            weights = token_weights(valid, n_valid, call.reduction, st.t_max.dtype)
+            ctx.save_for_backward(s, t)
+            ctx.call, ctx.spec, ctx.stats, ctx.targets, ctx.weights = call, spec, st, (local_t, owned), weights
+            loss = reduce(token_loss(st, valid, spec), n_valid, call.reduction)
+            call.settle()
+            return loss
+
+    @staticmethod
+    @first_order_only("distillation_loss")
+    def backward(ctx, grad_out):
+        s, t = ctx.saved_tensors
+        with autocast_off(s.device.type):
+            g = grad_out.reshape(-1) if ctx.call.reduction == "none" else grad_out
+            r = ctx.weights
+            # an ignored token's weight (exactly 0) stays 0 whatever the upstream gradient, nan included
+            w = torch.where(r == 0, r, r * g.to(r.dtype))
+            local_t, owned = ctx.targets
+            ds = torch.empty_like(s)
+            for sl in token_slices(s.shape[0], ctx.call.plan.chunks):
+                ds[sl] = grad_student(s[sl], t[sl], local_t[sl], owned[sl], _rows_of(ctx.stats, sl), w[sl], ctx.spec)
+        return ds, None, None, None, None, None

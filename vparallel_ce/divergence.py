@@ -1,0 +1,235 @@
+r"""The per-chunk math of vocab-parallel distillation: a divergence between the teacher's and the
+student's softmax over the GLOBAL vocab, from logits chunks sharded along the vocab.
+
+Notation for one token (a row of a chunk), ``T`` the temperature::
+
+    a_j = t_j / T,  b_j = s_j / T                (teacher, student logits of this rank's shard)
+    p = softmax(a),  q = softmax(b)              (over the whole vocab)
+    forward_kl = KL(p || q) = sum_j p_j (log p_j - log q_j)
+    reverse_kl = KL(q || p)
+    jsd        = beta KL(p || m) + (1 - beta) KL(q || m),   m = beta p + (1 - beta) q
+    loss       = T**2 * divergence + hard_weight * CE(s, target)      (0 for ignored tokens)
+
+``CE(s, target)`` is the plain cross-entropy of the student at temperature 1.
+
+Forward, per token chunk -- what crosses ranks is a few floats per token, never logits:
+
+1. local pass: the shard's maxima ``[max_j a_j, max_j b_j]`` (and ``max_j s_j`` when
+   ``hard_weight > 0`` and ``T != 1``; at ``T = 1`` the student's softmax is the CE's);
+2. ``all_reduce_MAX`` of that one ``[2 or 3, chunk]`` tensor -> the global maxima ``m_a, m_b``;
+3. local pass relative to them (``u_j = a_j - m_a``, ``v_j = b_j - m_b``, exact for logits of any
+   magnitude): ``S_a = sum e^{u_j}``, ``S_b = sum e^{v_j}``, the divergence's partial sum
+   (forward KL: ``sum e^{u_j} (u_j - v_j)``; reverse KL: ``sum e^{v_j} (v_j - u_j)``; JSD: none
+   here) and, for the hard term, ``S_s`` and ``s_t - m_s`` where this rank owns the target;
+4. ``all_reduce_SUM`` of those in one ``[2..5, chunk]`` tensor. Then
+   ``KL(p||q) = F / S_a - log S_a + log S_b`` and ``KL(q||p) = R / S_b - log S_b + log S_a``;
+5. JSD only: ``log m_j = logaddexp(log beta + log p_j, log(1 - beta) + log q_j)`` is elementwise,
+   so local once both ``log S`` are known -- a second local pass makes
+   ``P = sum p_j (log p_j - log m_j)`` and ``Q = sum q_j (log q_j - log m_j)``, joined by a second
+   ``all_reduce_SUM`` of ``[2, chunk]``: ``jsd = beta P + (1 - beta) Q``.
+
+So a chunk costs one MAX and one SUM all-reduce (two SUMs for JSD) of ``O(chunk)`` floats.
+
+Backward, per chunk -- local only. With the per-token statistics saved by the forward, the
+student's gradient has a closed form (``d/ds = (1/T) d/db``, times the ``T**2`` of the loss)::
+
+    forward_kl:  T (q_j - p_j)
+    reverse_kl:  T q_j (log q_j - log p_j - KL(q||p))
+    jsd:         (1 - beta) T q_j (log q_j - log m_j - Q)
+    hard term:   hard_weight (softmax(s)_j - [j == target])
+
+(from ``d q_k / d b_j = q_k ([k == j] - q_j)``; for JSD, ``d jsd / d q_k = (1 - beta)
+(log q_k - log m_k)`` since ``beta p + (1 - beta) q = m`` makes the ``d log m`` terms cancel). The
+teacher is a constant: it gets no gradient.
+
+Every function takes chunks of logits (``[c, V_block]``) and per-token vectors, so an op that makes
+its logits chunk by chunk (a fused lm_head variant, or a sparse top-k teacher scattered into a
+chunk) reuses them as they are. Statistics are fp32 whatever the logits' dtype (fp64 for fp64).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from . import comm
+from .stats import compute_dtype
+
+__all__ = ["Divergence", "DIVERGENCES", "DistillSpec", "DistillStats", "statistics", "token_loss",
+           "grad_student"]
+
+
+class Divergence(str, enum.Enum):
+    """Which divergence between teacher ``p`` and student ``q`` the loss is."""
+
+    FORWARD_KL = "forward_kl"  # KL(p || q): mass-covering, the classic Hinton distillation
+    REVERSE_KL = "reverse_kl"  # KL(q || p): mode-seeking
+    JSD = "jsd"  # beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1 - beta) q
+
+
+DIVERGENCES = tuple(d.value for d in Divergence)
+
+
+@dataclass(frozen=True)
+class DistillSpec:
+    """The math options of a distillation call."""
+
+    divergence: Divergence
+    beta: float = 0.5
+    temperature: float = 1.0
+    hard_weight: float = 0.0
+
+    @property
+    def hard(self) -> bool:
+        return self.hard_weight > 0
+
+    @property
+    def hard_apart(self) -> bool:
+        """The hard term needs its own softmax (temperature 1) besides the student's at ``T``."""
+        return self.hard and self.temperature != 1.0
+
+
+class DistillStats(NamedTuple):
+    """Per-token statistics over the GLOBAL vocab (the same on every rank), ``[c]`` each."""
+
+    t_max: torch.Tensor  # m_a
+    t_log_s: torch.Tensor  # log S_a
+    s_max: torch.Tensor  # m_b
+    s_log_s: torch.Tensor  # log S_b
+    divergence: torch.Tensor  # the divergence (without T**2)
+    inner: torch.Tensor | None  # reverse KL: KL(q||p); JSD: Q = sum q (log q - log m); else None
+    hard_max: torch.Tensor | None  # the hard CE's softmax (the student's own at T = 1)
+    hard_log_s: torch.Tensor | None
+    hard_loss: torch.Tensor | None  # CE(s, target) per token, with hard_weight > 0
+
+
+def _scaled(x: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    z = x.to(dtype)
+    return z * (1.0 / temperature) if temperature != 1.0 else z  # a product, as the CE's transform
+
+
+def _maxima(z: torch.Tensor) -> torch.Tensor:
+    if z.shape[-1] == 0:  # an empty shard: -inf, which the MAX all-reduce ignores
+        return torch.full(z.shape[:1], float("-inf"), dtype=z.dtype, device=z.device)
+    return z.amax(dim=-1)  # nan where the row holds a nan: it then reaches the sums
+
+
+def _finite(m: torch.Tensor) -> torch.Tensor:
+    """A shift usable in ``exp(z - m)``: 0 where ``m = -inf`` (a fully masked row: exp(-inf) = 0)."""
+    return m.masked_fill(m == float("-inf"), 0.0)
+
+
+def _weighted(w: torch.Tensor, diff: torch.Tensor) -> torch.Tensor:
+    """``w * diff`` with the term of a zero weight exactly 0 (a masked entry: ``0 * -inf``), while
+    a nan weight (a nan logit) stays nan."""
+    return torch.where(w == 0, torch.zeros_like(w), w * diff)
+
+
+def _log_probs(z: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
+    return z - _finite(m).unsqueeze(-1) - log_s.unsqueeze(-1)
+
+
+def _log_mixture(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
+    lb = math.log(beta) if beta > 0 else float("-inf")
+    l1b = math.log1p(-beta) if beta < 1 else float("-inf")
+    return torch.logaddexp(log_p + lb, log_q + l1b)
+
+
+def statistics(s: torch.Tensor, t: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor, spec: DistillSpec,
+               layout) -> DistillStats:
+    """Forward steps 1-5 of one chunk: student ``s`` and teacher ``t`` ``[c, V_loc]`` logits of this
+    rank's shard, the targets mapped to it (:func:`vparallel_ce.stats.local_targets`; ignored when
+    ``spec.hard`` is off) -> the global per-token statistics. Collectives over ``layout.group``."""
+    cdt = compute_dtype(s.dtype)
+    T = spec.temperature
+    a, b = _scaled(t, T, cdt), _scaled(s, T, cdt)
+    h = _scaled(s, 1.0, cdt) if spec.hard_apart else b
+    maxima = [_maxima(a), _maxima(b)] + ([_maxima(h)] if spec.hard_apart else [])
+    m = comm.all_reduce_max_(torch.stack(maxima), layout.group)
+    m_a, m_b = m[0], m[1]
+    m_h = m[2] if spec.hard_apart else m_b
+    u = a - _finite(m_a).unsqueeze(-1)
+    v = b - _finite(m_b).unsqueeze(-1)
+    eu, ev = torch.exp(u), torch.exp(v)
+    sums = [eu.sum(-1), ev.sum(-1)]
+    kind = spec.divergence
+    if kind is Divergence.FORWARD_KL:
+        sums.append(_weighted(eu, u - v).sum(-1))
+    elif kind is Divergence.REVERSE_KL:
+        sums.append(_weighted(ev, v - u).sum(-1))
+    hard_row = len(sums)  # where the hard term's sum-exp lands (its own, or the student's S_b)
+    if spec.hard_apart:
+        sums.append(torch.exp(h - _finite(m_h).unsqueeze(-1)).sum(-1))
+    else:
+        hard_row = 1
+    if spec.hard:
+        if h.shape[-1] > 0:
+            picked = h.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) - _finite(m_h)
+        else:
+            picked = torch.zeros_like(m_h)
+        sums.append(torch.where(owned, picked, torch.zeros_like(picked)))
+    packed = comm.all_reduce_sum_(torch.stack(sums), layout.group)
+    log_sa, log_sb = torch.log(packed[0]), torch.log(packed[1])
+    inner = None
+    if kind is Divergence.FORWARD_KL:
+        div = packed[2] / packed[0] - log_sa + log_sb
+    elif kind is Divergence.REVERSE_KL:
+        div = inner = packed[2] / packed[1] - log_sb + log_sa
+    else:
+        log_p = u - log_sa.unsqueeze(-1)
+        log_q = v - log_sb.unsqueeze(-1)
+        log_m = _log_mixture(log_p, log_q, spec.beta)
+        pq = torch.stack([_weighted(torch.exp(log_p), log_p - log_m).sum(-1),
+                          _weighted(torch.exp(log_q), log_q - log_m).sum(-1)])
+        pq = comm.all_reduce_sum_(pq, layout.group)
+        inner = pq[1]
+        div = spec.beta * pq[0] + (1.0 - spec.beta) * pq[1]
+    hard_max = hard_log_s = hard_loss = None
+    if spec.hard:
+        hard_max = m_h
+        hard_log_s = torch.log(packed[hard_row]) if spec.hard_apart else log_sb
+        hard_loss = hard_log_s - packed[-1]
+    return DistillStats(m_a, log_sa, m_b, log_sb, div, inner, hard_max, hard_log_s, hard_loss)
+
+
+def token_loss(st: DistillStats, valid: torch.Tensor, spec: DistillSpec) -> torch.Tensor:
+    """Per-token loss, ``T**2 * divergence (+ hard_weight * CE)``; exactly 0 on ignored tokens."""
+    loss = st.divergence * (spec.temperature ** 2)
+    if spec.hard:
+        loss = loss + spec.hard_weight * st.hard_loss
+    return torch.where(valid, loss, torch.zeros_like(loss))
+
+
+def grad_student(s: torch.Tensor, t: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor, st: DistillStats,
+                 weight: torch.Tensor, spec: DistillSpec, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Backward of one chunk: ``d (sum_i weight_i loss_i) / d s`` for the student's ``[c, V_loc]``
+    logits, from the chunk's inputs and its saved statistics (closed forms in the module
+    docstring). Rows whose ``weight`` is exactly 0 (ignored tokens) get exactly 0, whatever their
+    logits hold. Local, no communication."""
+    cdt = compute_dtype(s.dtype)
+    T = spec.temperature
+    a, b = _scaled(t, T, cdt), _scaled(s, T, cdt)
+    log_p = _log_probs(a, st.t_max, st.t_log_s)
+    log_q = _log_probs(b, st.s_max, st.s_log_s)
+    q = torch.exp(log_q)
+    kind = spec.divergence
+    if kind is Divergence.FORWARD_KL:
+        g = (q - torch.exp(log_p)) * T
+    elif kind is Divergence.REVERSE_KL:
+        g = _weighted(q, log_q - log_p - st.inner.unsqueeze(-1)) * T
+    else:
+        log_m = _log_mixture(log_p, log_q, spec.beta)
+        g = _weighted(q, log_q - log_m - st.inner.unsqueeze(-1)) * ((1.0 - spec.beta) * T)
+    if spec.hard:
+        soft = q if not spec.hard_apart else torch.exp(_log_probs(_scaled(s, 1.0, cdt), st.hard_max, st.hard_log_s))
+        g = g + spec.hard_weight * soft
+        if g.shape[-1] > 0:
+            hit = torch.where(owned, torch.full_like(st.hard_max, -spec.hard_weight), torch.zeros_like(st.hard_max))
+            g.scatter_add_(-1, local_t.unsqueeze(-1), hit.unsqueeze(-1))
+    w = weight.to(cdt).unsqueeze(-1)
+    d = torch.where(w == 0, torch.zeros_like(g), g * w)
+    return d.to(out_dtype or s.dtype)
