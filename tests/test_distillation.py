@@ -371,3 +371,21 @@ def dtensor_rank(rank, world):
     if rel_err(local_grad(s), shard(ref_s.grad, world, rank), ref_s.grad) > 1e-10:
         failures.append(f"DTensor TP {world} rank {rank}: gradient")
     return failures
+
+
+def test_large_magnitude_fp32_logits_lose_nothing_to_cancellation():
+    # every sum is relative to the global maxima: logits near +-1e4 in fp32 stay at fp32 accuracy
+    g = torch.Generator().manual_seed(4)
+    s = torch.randn(4, 30, generator=g) * 3 + 1e4
+    t = torch.randn(4, 30, generator=g) * 3 - 1e4
+    target = torch.randint(0, 30, (4,), generator=g)
+    for kind, beta in KINDS:
+        opts = dict(kind=kind, beta=beta, hard_weight=0.3, temperature=2.0, reduction="none")
+        x = s.clone().requires_grad_()
+        out = vparallel_ce.distillation_loss(x, t, target, **opts)
+        out.sum().backward()
+        ref_x = s.double().requires_grad_()
+        ref = reference(ref_x, t.double(), target, **opts)
+        ref.sum().backward()
+        errs = rel_err(out.detach(), ref.detach()), rel_err(x.grad, ref_x.grad)
+        assert max(errs) < TOL[torch.float32], f"{kind} beta={beta}: errors {errs}"

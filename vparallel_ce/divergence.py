@@ -161,11 +161,9 @@ def statistics(s: torch.Tensor, t: torch.Tensor, local_t: torch.Tensor, owned: t
         sums.append(_weighted(eu, u - v).sum(-1))
     elif kind is Divergence.REVERSE_KL:
         sums.append(_weighted(ev, v - u).sum(-1))
-    hard_row = len(sums)  # where the hard term's sum-exp lands (its own, or the student's S_b)
+    hard_row = len(sums)  # where the hard term's own sum-exp lands (at T = 1 it is the student's S_b)
     if spec.hard_apart:
         sums.append(torch.exp(h - _finite(m_h).unsqueeze(-1)).sum(-1))
-    else:
-        hard_row = 1
     if spec.hard:
         if h.shape[-1] > 0:
             picked = h.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) - _finite(m_h)
