@@ -129,6 +129,7 @@ _OPTION_CHECKS = {
     "sequence_parallel": (lambda v: isinstance(v, bool), "True or False"),
     "vocab_size": (lambda v: v is None or _is_int(v, 1, 2**62), "a positive int or None"),
     "with_entropy": (lambda v: isinstance(v, bool), "True or False"),
+    "logits_dtype": (lambda v: v is None or v is torch.float32, "None or torch.float32"),
     "num_valid_tokens": (lambda v: v is None or _is_int(v, 0, 2**62) or _integer_scalar(v),
                          "an int >= 0, a one-element integer tensor or None"),
 }
@@ -137,7 +138,7 @@ _OPTION_CHECKS = {
 _GOOD_OPTIONS: set = set()  # (name, type, value) seen valid: a call repeats its options every step
 # only values that cannot change after the check (a tensor option hashes by identity and could be
 # written in place between calls)
-_CACHED_TYPES = (int, float, str, bool, type(None), ChunkPolicy)
+_CACHED_TYPES = (int, float, str, bool, type(None), ChunkPolicy, torch.dtype)
 
 
 def check_options(**options) -> Problem | None:
@@ -330,6 +331,8 @@ class Facts:
     entropy: int = _shown(lambda c: str(bool(c)))
     # the lm_head matmuls' dtype (torch.autocast's inside it): it decides the plan and the kernels
     matmul_dtype: int = _shown(_show_dtype)
+    # the logits' dtype as asked (None: the matmul dtype): it decides their precision and the plan's memory
+    logits_dtype: int = _shown(_show_dtype)
     chunk_policy: int = _shown(lambda c: f"a ChunkPolicy with CRC {c}")
     token_count: int = _shown(str, per_rank=True)
     # position-sensitive (target_checksum): a permutation of the ids, or ids shifted by one, is a
@@ -358,8 +361,8 @@ class Facts:
             _count_code(o.num_valid_tokens, target.device),
             _float_code(o.label_smoothing), _float_code(o.z_loss),
             _NO_SOFTCAP if o.softcap is None else _float_code(o.softcap), _float_code(o.temperature),
-            int(o.with_entropy), _dtype_code(matmul_dtype), _policy_code(o.policy), target.numel(), target_checksum,
-            hidden_checksum)
+            int(o.with_entropy), _dtype_code(matmul_dtype), _dtype_code(o.logits_dtype), _policy_code(o.policy),
+            target.numel(), target_checksum, hidden_checksum)
 
     def row(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
