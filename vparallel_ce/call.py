@@ -53,6 +53,9 @@ class Call:
         counts: the token count of every rank (sequence parallel) or of this rank.
         matmul_dtype: the dtype of the lm_head matmuls (the autocast dtype inside ``torch.autocast``,
             else the inputs' own); statistics and gradient sums are fp32 whatever it is.
+        logits_dtype: the dtype the lm_head GEMM writes the logits in where it is wider than
+            ``matmul_dtype`` (``torch.float32`` for bf16/fp16 matmuls with ``logits_dtype=torch.float32``:
+            the GEMM's fp32 accumulator, not rounded); None: the logits are in ``matmul_dtype``.
         divisor: ``num_valid_tokens`` as a 0-dim float64 tensor on the inputs' device (the mean's
             divisor), or None: the call counts its valid tokens itself.
         kernels: the kernel settings in force at the call (:func:`vparallel_ce.kernels.settings`),
@@ -69,6 +72,7 @@ class Call:
     sequence_parallel: bool = False
     counts: tuple[int, ...] = ()
     matmul_dtype: torch.dtype | None = None
+    logits_dtype: torch.dtype | None = None
     kernels: kernels.KernelSettings = field(default_factory=kernels.settings)
     divisor: torch.Tensor | None = None
     pending: DeferredTargetCheck | None = field(default=None, compare=False, repr=False)
@@ -176,6 +180,7 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
     agreed = agree(problem, group, local_size=lambda: weight.shape[0], facts=facts, device=_device(weight),
                    options=o, vocab_size=vocab_size, target=target)
     lay, pending, n = agreed.layout, agreed.pending, target.numel()
+    logits = _logits_dtype(o.logits_dtype, matmul)
     sp = sp and lay.sharded
     if not sp:
         counts = (n,)
@@ -185,8 +190,8 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
         counts = tuple(row[0] for row in comm.all_gather_ints([n], lay.group, weight.device))
     plan = (o.policy or _policy.DEFAULT_POLICY).plan(
         sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1], reduction=o.reduction, chunks=o.chunks,
-        schedule=o.schedule, recompute=o.recompute, fused=fused)
-    call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, sp, counts, matmul, chosen,
+        schedule=o.schedule, recompute=o.recompute, fused=fused, logits_dtype=logits)
+    call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, sp, counts, matmul, logits, chosen,
                 _divisor(o, weight.device), pending)
     inputs = LinearInputs(_rows(hidden, n, weight.shape[-1]), weight, bias, _flat(target), target.shape)
     return call, inputs
@@ -218,6 +223,12 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 def _matmul_dtype(weight: torch.Tensor, amp: torch.dtype | None) -> torch.dtype:
     return amp if amp is not None and weight.dtype != torch.float64 else weight.dtype
+
+
+def _logits_dtype(asked: torch.dtype | None, matmul: torch.dtype) -> torch.dtype | None:
+    """The logits' dtype where it differs from the matmul dtype: fp32 for bf16/fp16 matmuls when
+    asked; fp32 and fp64 matmuls already make logits of at least fp32 precision (None)."""
+    return asked if asked is not None and matmul.itemsize < asked.itemsize else None
 
 
 def autocast_dtype(device: torch.device) -> torch.dtype | None:

@@ -51,7 +51,7 @@ from .stats import (
 )
 
 __all__ = ["linear_cross_entropy", "Schedule", "Rows", "ChunkTargets", "Grads", "Backward", "KeptLogits",
-           "ChunkSaved", "Saved", "matmul_inputs", "grads_from_unit_dx"]
+           "ChunkSaved", "Saved", "logits", "matmul_operand", "matmul_inputs", "grads_from_unit_dx"]
 
 
 def linear_cross_entropy(
@@ -75,6 +75,7 @@ def linear_cross_entropy(
     policy: _policy.ChunkPolicy | None = None,
     check: bool = True,
     check_replicated: bool = True,
+    logits_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     r"""``cross_entropy(hidden @ weight.T + bias, target)`` with ``weight`` sharded along the vocab.
 
@@ -105,6 +106,11 @@ def linear_cross_entropy(
             exchange: one read of ``hidden``). ``False`` skips it, for a caller whose hidden states
             are known to differ on purpose (a pipeline's shape-inference call on uninitialised
             outputs, whose result is discarded).
+        logits_dtype: ``None``: the logits are made in the matmul dtype (bf16 inputs round them to
+            bf16 before the fp32 statistics). ``torch.float32``: the statistics, loss and the logits'
+            gradient are made from the GEMM's fp32 result, never rounded (a no-op for fp32/fp64
+            matmuls); the gradient GEMMs still take that gradient in the matmul dtype. See
+            ``docs/rl.md`` ("Precision of the logits") for what it costs.
 
     Returns:
         fp32 loss (fp64 for fp64 inputs): scalar for mean/sum, per-token for none. Gradients, each in
@@ -114,7 +120,8 @@ def linear_cross_entropy(
     options = Options(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
                       num_valid_tokens=num_valid_tokens, z_loss=z_loss, softcap=softcap, chunks=chunks,
                       schedule=schedule, recompute=recompute, policy=policy, vocab_size=vocab_size,
-                      sequence_parallel=sequence_parallel, check=check, check_replicated=check_replicated)
+                      sequence_parallel=sequence_parallel, check=check, check_replicated=check_replicated,
+                      logits_dtype=logits_dtype)
     call, inp = linear_call(hidden, weight, target, bias, op="linear_cross_entropy", group=group, options=options)
     out = _LinearCrossEntropy.apply(inp.h, inp.w, inp.b, inp.target, call)
     return out.reshape(inp.shape) if reduction == "none" else out
@@ -248,12 +255,15 @@ class Grads:
         return _part(self.dh, rows.local[c])
 
     def add_block(self, blk: slice, dx: torch.Tensor, h_c: torch.Tensor, w_blk: torch.Tensor, dh_rows) -> None:
+        """``dx``: the block's logits' gradient, in the matmul dtype or (fp32 logits) fp32: ``db``
+        sums it as it is, the two GEMMs take it rounded to the matmul dtype."""
+        if self.db is not None:
+            self.db[blk] += dx.to(self.db.dtype).sum(0)
+        dx = matmul_operand(dx, h_c.dtype)
         if dh_rows is not None:
             _mm_into(dh_rows, dx, w_blk, accumulate=not self.dh_direct)
         if self.dw is not None:
             _mm_into(_part(self.dw, blk), dx.t(), h_c, accumulate=self.dw_accumulate)
-        if self.db is not None:
-            self.db[blk] += dx.to(self.db.dtype).sum(0)
 
     def end_chunk(self, rows: Rows, c: int, dh_rows) -> None:
         if dh_rows is not None and rows.call.sequence_parallel:
@@ -337,7 +347,7 @@ class Schedule:
             return combine(ops.fused.stats(h_c, w, b, local_t, owned, call.spec), call.layout), []
         acc, kept = None, []
         for blk in self.blocks:
-            x = F.linear(h_c, _part(w, blk), None if b is None else _part(b, blk))
+            x = logits(call, h_c, _part(w, blk), None if b is None else _part(b, blk))
             local_t, owned, _ = targets()
             idx, in_blk = _in_block(local_t, owned, blk, call.layout.local_size)
             st = ops.local_stats(x, idx, in_blk, call.spec)
@@ -355,8 +365,9 @@ class Schedule:
         then ``dh += dx W_b``, ``dW_b (+)= dx^T h_c``, ``db_b += sum dx``."""
         dh_rows = grads.rows_of(rows, c, h_c)
         # Recompute fused only where the forward's statistics were fused too: a plan that kept the
-        # logits took its statistics from cuBLAS's bf16 logits, and a second backward of its graph
-        # (kept logits used up) must recompute the same bf16 logits, not the fp32 accumulator's.
+        # logits took its statistics from cuBLAS's logits (bf16 unless Call.logits_dtype is fp32),
+        # and a second backward of its graph (kept logits used up) must recompute the same logits,
+        # not the fp32 accumulator's.
         fused = not kept and not call.plan.keep_logits and self.fused(ops, call, h_c, w)
         if fused:  # the chunk's kernel arguments made once, not per block
             grad_of = ops.fused.grad_logits_for(h_c, local_t, owned, shift, coefs, call.spec)
@@ -368,7 +379,7 @@ class Schedule:
                 dx = grad_of(w_blk, b_blk, col_offset=blk.start)
             else:
                 idx, in_blk = _in_block(local_t, owned, blk, call.layout.local_size)
-                x = kept[i] if kept else F.linear(h_c, w_blk, b_blk)
+                x = kept[i] if kept else logits(call, h_c, w_blk, b_blk)
                 if kept:
                     kept[i] = None  # its memory is reused by the gradient, then freed
                 dx = _grad_in_place(ops, x, idx, in_blk, shift, coefs, call.spec)
@@ -376,6 +387,33 @@ class Schedule:
             grads.add_block(blk, dx, h_c, w_blk, dh_rows)
             del dx  # free this block before the next one's is allocated
         grads.end_chunk(rows, c, dh_rows)
+
+
+def logits(call: Call, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``h w^T + b`` (operands in the matmul dtype) in :attr:`Call.logits_dtype`: ``F.linear`` when
+    that is the matmul dtype (None), else the GEMM's fp32 accumulator as it is -- ``mm``'s fp32
+    output variant where the device has it (CUDA), else from operands upcast to fp32 here (CPU:
+    exact products of bf16/fp16 values summed in fp32; the cost is an fp32 copy of this block of
+    ``w`` and of ``h``'s rows per GEMM, and the slower fp32 GEMM). The bias is added in fp32."""
+    wide = call.logits_dtype
+    if wide is None:
+        return F.linear(h, w, b)
+    if h.is_cuda and _CUDA_MM_OUT_DTYPE:
+        x = torch.ops.aten.mm.dtype(h, w.t(), wide)
+    else:
+        x = torch.mm(h.to(wide), w.to(wide).t())
+    if b is not None:
+        x += b
+    return x
+
+
+_CUDA_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype")
+
+
+def matmul_operand(dx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A logits' gradient as an operand of the gradient GEMMs: in the matmul ``dtype`` (fp32
+    logits' fp32 gradient rounded once, as the matmul-dtype logits' gradient is made)."""
+    return dx if dx.dtype == dtype else dx.to(dtype)
 
 
 def matmul_inputs(call: Call, h, w, b):
@@ -494,7 +532,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if mode is Backward.UNIT_LOGITS:
                     # one kernel makes the chunk's target maps, statistics, loss, and the kept
                     # logits' gradient for 1 over them: besides it, the valid count (mean) and the sum
-                    x = F.linear(h_c, wm, bm)
+                    x = logits(call, h_c, wm, bm)
                     n_valid = _valid_count(t, call) if call.reduction == "mean" else None
                     st, loss_c = ops.loss_stats_grad_(x, t_c, n_valid, call.reduction, spec)
                     per_token.append(loss_c)
@@ -567,9 +605,13 @@ def grads_from_unit_dx(ops, dx, h, w, b, hm, wm, g, need) -> tuple:
     ``g`` goes on the ``[N, H]`` operand and result, never on ``dx`` (that would be one more pass
     over the logits). ``g h`` is formed in fp32, rounded once into the matmul dtype (exact for
     ``g = 1``) and freed before ``dh`` is allocated, so the peak is ``dx + dW + dh``, as with the
-    gradient pass of the kept logits."""
+    gradient pass of the kept logits. fp32 logits (``Call.logits_dtype``) leave an fp32 ``dx``: ``db``
+    sums it as it is, the GEMMs take a copy in the matmul dtype."""
     need_h, need_w, need_b = need
     dh = dw = db = None
+    if need_b and b is not None:  # a scalar g: a bias with reduction="none" does not take this path
+        db = (dx.sum(0, dtype=compute_dtype(dx.dtype)) * g.to(compute_dtype(dx.dtype))).to(b.dtype)
+    dx = matmul_operand(dx, hm.dtype)
     if need_w:
         gh = ops.scale_rows(hm, g)
         dw = torch.empty_like(w)
@@ -579,8 +621,6 @@ def grads_from_unit_dx(ops, dx, h, w, b, hm, wm, g, need) -> tuple:
         dh = torch.empty_like(h)
         _mm_into(dh, dx, wm, accumulate=False)
         ops.scale_rows(dh, g, out=dh)
-    if need_b and b is not None:  # a scalar g: a bias with reduction="none" does not take this path
-        db = (dx.sum(0, dtype=compute_dtype(dx.dtype)) * g.to(compute_dtype(dx.dtype))).to(b.dtype)
     return dh, dw, db
 
 

@@ -86,6 +86,7 @@ def linear_token_logprobs(
     policy: ChunkPolicy | None = None,
     check: bool = True,
     check_replicated: bool = True,
+    logits_dtype: torch.dtype | None = None,
 ):
     r""":func:`token_logprobs` of ``hidden @ weight.T + bias`` without materialising the
     ``[N, V_local]`` logits: the statistics pass of :func:`vparallel_ce.linear_cross_entropy` in
@@ -98,6 +99,11 @@ def linear_token_logprobs(
         temperature, ignore_index, with_entropy, check: as in :func:`token_logprobs`.
         chunks: token chunks (an int) or ``"auto"`` (the policy, which may walk vocab blocks).
         policy, check_replicated: as in :func:`vparallel_ce.linear_cross_entropy`.
+        logits_dtype: ``torch.float32``: the log-probs, entropy and their gradients are made from
+            the lm_head GEMM's fp32 result instead of logits rounded to bf16/fp16 -- what agreement
+            with an inference engine's fp32-logit log-probs needs (``docs/rl.md``, "Precision of the
+            logits"); ``None`` (default): logits in the matmul dtype. As in
+            :func:`vparallel_ce.linear_cross_entropy`.
 
     Returns:
         As :func:`token_logprobs`: fp32 (fp64 for fp64 inputs) per-token values of ``target``'s
@@ -106,7 +112,7 @@ def linear_token_logprobs(
     """
     options = Options(reduction="none", ignore_index=ignore_index, temperature=temperature, with_entropy=with_entropy,
                       chunks=chunks, policy=policy, vocab_size=vocab_size, sequence_parallel=sequence_parallel,
-                      check=check, check_replicated=check_replicated)
+                      check=check, check_replicated=check_replicated, logits_dtype=logits_dtype)
     call, inp = linear_call(hidden, weight, target, bias, op="linear_token_logprobs", group=group, options=options)
     logp, entropy = _LinearTokenLogprobs.apply(inp.h, inp.w, inp.b, inp.target, call)
     logp = logp.reshape(inp.shape)

@@ -40,6 +40,9 @@ class Options:
             (:meth:`vparallel_ce.policy.ChunkPolicy.plan`).
         vocab_size: the global vocab size, if the caller states it.
         sequence_parallel: hidden and target are this rank's token shard (linear ops).
+        logits_dtype: the linear ops' logits: None, in the lm_head matmul dtype (bf16 inputs give
+            bf16-rounded logits); ``torch.float32``, the GEMM's fp32 result, never rounded below
+            fp32 (:func:`vparallel_ce.linear_token_logprobs`).
         check, check_replicated: the call's exchange and checks, and the replicated-hidden check.
     """
 
@@ -60,6 +63,7 @@ class Options:
     policy: ChunkPolicy | None = None
     vocab_size: int | None = None
     sequence_parallel: bool = False
+    logits_dtype: torch.dtype | None = None
     check: bool = True
     check_replicated: bool = True
 

@@ -22,7 +22,8 @@ Precedence (``docs/api.md``), each knob deciding one thing:
 Memory model (bytes, per rank, ``V_loc = ceil(V / tp)``; the whole peak of a plan is
 :func:`peak_bytes`, which ``explain`` prints):
 
-* one chunk's fp32 logits: ``tokens_per_chunk * V_loc * 4``; the budget bounds this quantity;
+* one chunk's fp32 logits: ``tokens_per_chunk * V_loc * 4``; the budget bounds this quantity (4
+  bytes a logit whatever the matmul dtype, so it holds for ``logits_dtype=torch.float32`` too);
 * the token-chunked linear schedule adds an fp32 dW accumulator: ``V_loc * H * 4``;
 * with gradients made in forward, the op keeps ``dW`` (+ ``dh``) alive from forward to backward,
   once per microbatch in flight: GPipe holds every microbatch's forward before any backward, 1F1B
@@ -147,17 +148,20 @@ class ChunkPolicy:
 
     def plan(self, num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,
              reduction: str = "mean", chunks: int | str = "auto", schedule: str = "auto",
-             recompute: bool | None = None, fused: bool = False) -> Plan:
+             recompute: bool | None = None, fused: bool = False, logits_dtype: torch.dtype | None = None) -> Plan:
         """The plan of one call. ``hidden_size=None`` plans ``cross_entropy`` (logits given: token
         chunks, gradients in backward); otherwise ``linear_cross_entropy`` with the call's
         ``chunks``, ``schedule`` and ``recompute`` (precedence in the module docstring). ``fused``:
         the call's recomputed logits run through the fused GEMM kernels
         (:func:`vparallel_ce.kernels.fused_applies`: bf16/fp16 on a GPU with Triton).
+        ``logits_dtype``: the logits' dtype where wider than the matmul dtype
+        (:attr:`vparallel_ce.call.Call.logits_dtype`), for the memory target's model (:func:`peak_bytes`).
 
         Memoised: the plan is a pure function of these arguments, and every call asks for it on
         the host path before its first GEMM (a plain dict, which ``torch.compile`` traces
         without warnings, unlike ``functools`` caches)."""
-        key = (self, num_tokens, vocab_size, tp_degree, hidden_size, reduction, chunks, schedule, recompute, fused)
+        key = (self, num_tokens, vocab_size, tp_degree, hidden_size, reduction, chunks, schedule, recompute, fused,
+               logits_dtype)
         try:
             found = _PLANS.get(key)
         except TypeError:  # an unhashable argument: plan it uncached (its check will name it)
@@ -167,7 +171,8 @@ class ChunkPolicy:
             if problem is not None:
                 raise ValueError(problem)
             found = self._plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, reduction=reduction,
-                               chunks=chunks, schedule=schedule, recompute=recompute, fused=fused)
+                               chunks=chunks, schedule=schedule, recompute=recompute, fused=fused,
+                               logits_dtype=logits_dtype)
             if key is not None:
                 if len(_PLANS) >= 1024:
                     _PLANS.clear()
@@ -175,7 +180,8 @@ class ChunkPolicy:
         return found
 
     def _plan(self, num_tokens: int, vocab_size: int, tp_degree: int, *, hidden_size: int | None, reduction: str,
-              chunks: int | str, schedule: str, recompute: bool | None, fused: bool) -> Plan:
+              chunks: int | str, schedule: str, recompute: bool | None, fused: bool,
+              logits_dtype: torch.dtype | None) -> Plan:
         v_loc = local_vocab(vocab_size, tp_degree)
         why = []
         if hidden_size is None:
@@ -192,7 +198,7 @@ class ChunkPolicy:
             why.append(f"chunks={chunks} with schedule='auto' means token chunks")
             sized = True
         elif self.memory_bytes is not None:
-            schedule, k_fit, reason = self._fit_memory(num_tokens, vocab_size, tp_degree, hidden_size)
+            schedule, k_fit, reason = self._fit_memory(num_tokens, vocab_size, tp_degree, hidden_size, logits_dtype)
             why.append(reason)
             sized = True
         else:
@@ -266,7 +272,8 @@ class ChunkPolicy:
         mode = GradMode.IN_FORWARD if gif else GradMode.FROM_KEPT_LOGITS if keep else GradMode.RECOMPUTE
         return Plan(schedule, k, mode, tuple(why))
 
-    def _fit_memory(self, num_tokens: int, vocab_size: int, tp_degree: int, hidden_size: int):
+    def _fit_memory(self, num_tokens: int, vocab_size: int, tp_degree: int, hidden_size: int,
+                    logits_dtype: torch.dtype | None):
         """``(schedule, count, reason)`` for :attr:`memory_bytes`: one token chunk (3 matmuls) if
         its modelled peak fits, else the widest vocab blocks (128-column multiples, at most
         ``block_columns``) whose peak does, by :func:`peak_bytes`. A vocab plan's modelled peak stops
@@ -275,7 +282,8 @@ class ChunkPolicy:
         target, n, v_loc = int(self.memory_bytes), num_tokens, local_vocab(vocab_size, tp_degree)
 
         def peak(schedule, k):
-            return peak_bytes(Plan(schedule, k, GradMode.RECOMPUTE), n, vocab_size, tp_degree, hidden_size=hidden_size)
+            return peak_bytes(Plan(schedule, k, GradMode.RECOMPUTE), n, vocab_size, tp_degree, hidden_size=hidden_size,
+                              logits_dtype=logits_dtype)
 
         one = peak("token", 1)
         head = f"one token chunk would peak at {one / GiB:.2f} GiB"
@@ -372,20 +380,26 @@ def choose_chunks(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, dtype
 
 def choose_plan(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,
                 reduction: str = "mean", policy: ChunkPolicy | None = None, chunks: int | str = "auto",
-                schedule: str = "auto", recompute: bool | None = None, fused: bool = False) -> Plan:
+                schedule: str = "auto", recompute: bool | None = None, fused: bool = False,
+                logits_dtype: torch.dtype | None = None) -> Plan:
     """The :class:`Plan` a call with these arguments runs (``hidden_size=None``: ``cross_entropy``)."""
     return (policy or DEFAULT_POLICY).plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size,
                                            reduction=reduction, chunks=chunks, schedule=schedule,
-                                           recompute=recompute, fused=fused)
+                                           recompute=recompute, fused=fused, logits_dtype=logits_dtype)
 
 
 def peak_bytes(plan: Plan, num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int,
-               dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype | None = None) -> int:
+               dtype: torch.dtype = torch.bfloat16, grad_dtype: torch.dtype | None = None,
+               logits_dtype: torch.dtype | None = None) -> int:
     """The memory model of one ``linear_cross_entropy`` call that runs ``plan`` on one rank: its
     peak allocation over its inputs, the returned ``dh`` and ``dW`` included (what
     ``launch/bench_loss.py`` measures), for matmul operands of ``dtype`` (``e`` bytes) and gradients
-    of ``grad_dtype`` (``g`` bytes; default ``dtype``; fp32 for fp32 master weights under autocast).
-    With ``N`` tokens, ``V`` the local vocab and ``H`` the hidden size::
+    of ``grad_dtype`` (``g`` bytes; default ``dtype``; fp32 for fp32 master weights under autocast)
+    and logits of ``logits_dtype`` (default ``dtype``): ``e`` below is the bytes of one logit and
+    its gradient -- ``dtype``'s, or with fp32 logits of narrower operands 4 for the logits (their
+    gradient written over them) plus ``dtype``'s for that gradient cast to the matmul dtype (the
+    fused kernels write neither; the model counts them as unfused). With ``N`` tokens, ``V`` the
+    local vocab and ``H`` the hidden size::
 
         token x1:        max(N V e + dW + dH, dW + dH + dh)     the logits (kept or recomputed), which
                                                                 their gradient overwrites
@@ -398,6 +412,8 @@ def peak_bytes(plan: Plan, num_tokens: int, vocab_size: int, tp_degree: int = 1,
     Not modelled: sequence parallelism's gathered rows, the fused statistics' partials in forward
     (``8 N ceil(V / 256)`` bytes, below the backward's peak at the benchmark shapes)."""
     e, g = dtype.itemsize, (grad_dtype or dtype).itemsize
+    if logits_dtype is not None and logits_dtype.itemsize > e:
+        e += logits_dtype.itemsize
     n, v, h = num_tokens, local_vocab(vocab_size, tp_degree), hidden_size
     dw, dh, acc_h = g * v * h, g * n * h, 4 * n * h
     if plan.schedule == "token" and plan.chunks == 1:
@@ -416,23 +432,26 @@ def peak_bytes(plan: Plan, num_tokens: int, vocab_size: int, tp_degree: int = 1,
 def explain(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,
             reduction: str = "mean", policy: ChunkPolicy | None = None, chunks: int | str = "auto",
             schedule: str = "auto", recompute: bool | None = None, fused: bool = False,
-            dtype: torch.dtype = torch.bfloat16) -> str:
+            dtype: torch.dtype = torch.bfloat16, logits_dtype: torch.dtype | None = None) -> str:
     """One paragraph: the plan a call with these arguments runs, why, and (``linear_cross_entropy``)
     its peak memory by :func:`peak_bytes` for ``dtype`` operands. The arguments are the call's own
     (``num_tokens`` over the whole group with sequence parallelism); ``hidden_size=None`` explains
     ``cross_entropy``, a hidden size ``linear_cross_entropy``. ``fused``: whether the call runs the
     fused GEMM kernels -- ``vparallel_ce.kernels.fused_applies(weight.device, dtype)``, True for
-    bf16/fp16 on a GPU with Triton."""
+    bf16/fp16 on a GPU with Triton. ``logits_dtype``: the call's (``torch.float32`` for fp32 logits of
+    ``dtype`` operands)."""
     policy = policy or DEFAULT_POLICY
+    wide = logits_dtype if logits_dtype is not None and logits_dtype.itemsize > dtype.itemsize else None
     p = policy.plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, reduction=reduction,
-                    chunks=chunks, schedule=schedule, recompute=recompute, fused=fused)
+                    chunks=chunks, schedule=schedule, recompute=recompute, fused=fused, logits_dtype=wide)
     op = "cross_entropy" if hidden_size is None else "linear_cross_entropy"
     unit = "token chunk" if p.schedule == "token" else "vocab block"
     grads = "in backward" if hidden_size is None else p.grad_mode.value
     matmuls, memory = "", ""
     if hidden_size is not None:
         matmuls = f", {_matmuls(p)} matmuls of 2*N*H*V_loc FLOPs"
-        peak = peak_bytes(p, num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, dtype=dtype)
+        peak = peak_bytes(p, num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, dtype=dtype,
+                          logits_dtype=wide)
         memory = f" Peak memory over the inputs, dh and dW included: {peak / GiB:.2f} GiB (policy.peak_bytes)."
     return (f"{op} (V={vocab_size} over tp={tp_degree}, {policy.microbatches_in_flight} microbatch(es) in flight): "
             f"{p.schedule} schedule, {p.chunks} {unit}{'s' if p.chunks != 1 else ''}, gradients {grads}{matmuls}. "

@@ -133,6 +133,7 @@ _OPTION_CHECKS = {
     "divergence": (lambda v: v in DIVERGENCES, f"one of {DIVERGENCES}"),
     "beta": (lambda v: not isinstance(v, bool) and 0.0 <= float(v) <= 1.0, "in [0, 1]"),
     "hard_weight": (lambda v: not isinstance(v, bool) and 0 <= float(v) < float("inf"), "a finite number >= 0"),
+    "logits_dtype": (lambda v: v is None or v is torch.float32, "None or torch.float32"),
     "num_valid_tokens": (lambda v: v is None or _is_int(v, 0, 2**62) or _integer_scalar(v),
                          "an int >= 0, a one-element integer tensor or None"),
 }
@@ -141,7 +142,7 @@ _OPTION_CHECKS = {
 _GOOD_OPTIONS: set = set()  # (name, type, value) seen valid: a call repeats its options every step
 # only values that cannot change after the check (a tensor option hashes by identity and could be
 # written in place between calls)
-_CACHED_TYPES = (int, float, str, bool, type(None), ChunkPolicy)
+_CACHED_TYPES = (int, float, str, bool, type(None), ChunkPolicy, torch.dtype)
 
 
 def check_options(**options) -> Problem | None:
@@ -358,6 +359,8 @@ class Facts:
     target_given: int = _shown(lambda c: str(bool(c)))
     # the lm_head matmuls' dtype (torch.autocast's inside it): it decides the plan and the kernels
     matmul_dtype: int = _shown(_show_dtype)
+    # the logits' dtype as asked (None: the matmul dtype): it decides their precision and the plan's memory
+    logits_dtype: int = _shown(_show_dtype)
     chunk_policy: int = _shown(lambda c: f"a ChunkPolicy with CRC {c}")
     token_count: int = _shown(str, per_rank=True)
     # position-sensitive (target_checksum): a permutation of the ids, or ids shifted by one, is a
@@ -389,8 +392,8 @@ class Facts:
             _float_code(o.label_smoothing), _float_code(o.z_loss),
             _NO_SOFTCAP if o.softcap is None else _float_code(o.softcap), _float_code(o.temperature),
             int(o.with_entropy), DIVERGENCES.index(o.divergence), _float_code(o.beta), _float_code(o.hard_weight),
-            int(target_given), _dtype_code(matmul_dtype), _policy_code(o.policy), target.numel(), target_checksum,
-            hidden_checksum)
+            int(target_given), _dtype_code(matmul_dtype), _dtype_code(o.logits_dtype), _policy_code(o.policy),
+            target.numel(), target_checksum, hidden_checksum)
 
     def row(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
