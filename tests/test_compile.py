@@ -150,6 +150,20 @@ def test_second_backward_reads_the_kept_logits_again():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_second_backward_with_the_triton_kernels():
+    """The same with the Triton row passes (under the interpreter), whose gradient pass can write
+    over logits it owns: the kept ones of a compiled call it must not."""
+    from tests.test_kernels import _run_interpreted
+
+    script = ("import tests.test_compile as t; from vparallel_ce import kernels\n"
+              "with kernels.use('triton'):\n"
+              "    assert kernels.ops_for(t.torch.zeros(1)).grad_logits_ is not None\n"
+              "    t.test_second_backward_reads_the_kept_logits_again()\n"
+              "print('SECOND_BACKWARD_OK')")
+    proc = _run_interpreted(script)
+    assert proc.returncode == 0 and "SECOND_BACKWARD_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
 def test_autocast_no_grad_and_a_new_shape():
     _, hidden, weight, _, target = _inputs()
     fn = lambda h, w, t: v.linear_cross_entropy(h, w, t, chunks=1)  # noqa: E731

@@ -66,6 +66,7 @@ class _Op:
     args: Callable  # the Function's tensor arguments from the front door's inputs
     grad_of: tuple  # per Function tensor argument: the position of the op input it is, or None
     required: int  # the leading op inputs that must be tensors
+    arity: int  # the op inputs the front door takes (2: logits, target; 4: hidden, weight, target, bias)
     target: int  # the position of the target among the op inputs
     outputs: int  # the Function's outputs
 
@@ -74,11 +75,11 @@ _OPS: dict[str, _Op] = {}
 
 
 def register(name: str, function: type, front: Callable, args: Callable, *, grad_of: tuple, required: int,
-             target: int, outputs: int) -> None:
+             arity: int, target: int, outputs: int) -> None:
     """Make the op ``name`` (one of :data:`vparallel_ce.validate.OPS`) compilable: ``function`` is
     its autograd Function, ``front`` its front door, ``args(inputs)`` the Function's tensor
     arguments. Called by each op's module when it is imported."""
-    _OPS[name] = _Op(function, front, args, grad_of, required, target, outputs)
+    _OPS[name] = _Op(function, front, args, grad_of, required, arity, target, outputs)
 
 
 def apply(name: str, tensors: tuple, group, options: Options):
@@ -94,7 +95,7 @@ def apply(name: str, tensors: tuple, group, options: Options):
         problem.raise_()
     count = options.num_valid_tokens
     if count is not None and not isinstance(count, torch.Tensor):  # an int: a tensor, so that a new
-        count = torch.tensor(count, dtype=torch.int64)  # count each step is not a new graph
+        count = torch.tensor(count, dtype=torch.int64, device=tensors[0].device)  # count each step is not a new graph
     key = _key(options, autocast_dtype(tensors[0].device))
     grad = torch.is_grad_enabled()
     need = [grad and t is not None and t.requires_grad for t in tensors]
@@ -115,7 +116,7 @@ def _one_rank(op: _Op, tensors: tuple, group) -> bool:
 def _eager(name: str, tensors: tuple, group, options: Options):
     """The eager op, between two graphs."""
     op = _OPS[name]
-    call, inp = op.front(*tensors[: 2 if op.required == 2 else 4], op=name, group=group, options=options)
+    call, inp = op.front(*tensors[: op.arity], op=name, group=group, options=options)
     return op.function.apply(*op.args(inp), call), inp.shape
 
 
@@ -334,7 +335,7 @@ def _forward(name: str, key: str, need: list, a, b, c, d, count, *, fake: bool) 
         options = replace(options, num_valid_tokens=count)
     inputs = [a, b, c, d]
     with torch.no_grad(), _as_traced(key, a.device):
-        call, inp = op.front(*inputs[: 2 if op.required == 2 else 4], op=name, group=None, options=options)
+        call, inp = op.front(*inputs[: op.arity], op=name, group=None, options=options)
         ctx = _Ctx(tuple(j is not None and need[j] for j in op.grad_of) + (False,))
         out = op.function.forward(ctx, *op.args(inp), call)
     out = list(out) if isinstance(out, tuple) else [out]

@@ -141,4 +141,4 @@ class _CrossEntropy(torch.autograd.Function):
 
 
 compiled.register("cross_entropy", _CrossEntropy, logits_call, lambda inp: (inp.x, inp.target), grad_of=(0, None),
-                  required=2, target=1, outputs=1)
+                  required=2, arity=2, target=1, outputs=1)

@@ -28,7 +28,8 @@ blocks or ranks) are always fp32; a gradient made by one matmul is written in it
 Under ``torch.autocast`` the matmuls run in the autocast dtype (``Call.matmul_dtype``), as
 ``F.linear`` would there; statistics are fp32 and each input's gradient comes back in its own dtype
 (fp32 for fp32 master weights). Works with: any TP degree (uneven and empty shards), sequence
-parallelism, DTensor weight ``Shard(0)`` / hidden, ``torch.compile`` (graph break around the op).
+parallelism, DTensor weight ``Shard(0)`` / hidden, ``torch.compile`` (one custom op in the graph on
+one rank, a graph break at the op under TP: :mod:`vparallel_ce.compiled`).
 """
 
 from __future__ import annotations
@@ -619,5 +620,6 @@ def _valid_count(t: torch.Tensor, call: Call, valid: torch.Tensor | None = None)
     return n
 
 
-compiled.register("linear_cross_entropy", _LinearCrossEntropy, linear_call, lambda inp: (inp.h, inp.w, inp.b, inp.target),
-                  grad_of=(0, 1, 3, None), required=3, target=2, outputs=1)
+compiled.register("linear_cross_entropy", _LinearCrossEntropy, linear_call,
+                  lambda inp: (inp.h, inp.w, inp.b, inp.target), grad_of=(0, 1, 3, None), required=3, arity=4, target=2,
+                  outputs=1)

@@ -230,7 +230,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
 
 
 compiled.register("token_logprobs", _TokenLogprobs, logits_call, lambda inp: (inp.x, inp.target), grad_of=(0, None),
-                  required=2, target=1, outputs=2)
+                  required=2, arity=2, target=1, outputs=2)
 compiled.register("linear_token_logprobs", _LinearTokenLogprobs, linear_call,
-                  lambda inp: (inp.h, inp.w, inp.b, inp.target), grad_of=(0, 1, 3, None), required=3, target=2,
+                  lambda inp: (inp.h, inp.w, inp.b, inp.target), grad_of=(0, 1, 3, None), required=3, arity=4, target=2,
                   outputs=2)
