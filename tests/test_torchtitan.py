@@ -94,6 +94,41 @@ def test_the_torchtitan_loss_builder_checks_options_when_torchtitan_builds_the_l
 
 
 @needs_titan
+def test_the_loss_is_compiled_when_compile_components_hold_loss():
+    """torchtitan's own switch compiles our losses: one graph, no break, the eager values."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vparallel_ce.integrations import torchtitan as tt
+
+    g = torch.Generator().manual_seed(3)
+    logits, hidden, weight = torch.randn(2, 6, 40, generator=g), torch.randn(2, 6, 8, generator=g), torch.randn(40, 8)
+    labels = torch.randint(0, 40, (2, 6), generator=g)
+    for fused, args in ((False, (logits,)), (True, (hidden, weight))):
+        def job(enable):
+            return SimpleNamespace(compile=SimpleNamespace(enable=enable, components=["loss"], backend="aot_eager"),
+                                   vparallel=tt.VParallel(chunks="2"))
+
+        compiled = tt.build_torchtitan_loss_fn(job(True), parallel_dims=None, fused=fused)
+        plain = tt.build_torchtitan_loss_fn(job(False), parallel_dims=None, fused=fused)
+        assert hasattr(compiled.forward, "_torchdynamo_orig_callable") and not hasattr(plain.forward,
+                                                                                         "_torchdynamo_orig_callable")
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(compiled.forward._torchdynamo_orig_callable)(*args, labels)
+        assert explained.graph_count == 1 and explained.graph_break_count == 0, explained
+        grads = []
+        for loss in (compiled, plain):
+            leaves = [a.clone().requires_grad_() for a in args]
+            pred = leaves[0] if len(leaves) == 1 else tuple(leaves)
+            value = loss(pred, labels)
+            value.backward()
+            grads.append([value.detach()] + [a.grad for a in leaves])
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want)
+
+
+@needs_titan
 def test_specs_are_registered_once_and_share_the_flavors():
     import torch
     from torchtitan.protocols.train_spec import get_train_spec
@@ -289,6 +324,18 @@ def _compare_specs(assets, tmp, nproc, *extra):
 def test_world1_matches_default(assets, tmp_path):
     """One process, torchtitan's AMP (bf16 autocast): the fused head casts like F.linear would."""
     _compare_specs(assets, tmp_path, 1)
+
+
+@needs_titan
+def test_world1_with_the_loss_compiled_matches_default(assets, tmp_path):
+    """``--compile.components loss``: torchtitan compiles its own loss, our specs compile theirs
+    (aot_eager: no C++ compiler in the test), and the curves stay the default's."""
+    logs = _compare_specs(assets, tmp_path, 1, "--compile.enable", "--compile.components", "loss",
+                          "--compile.backend", "aot_eager")
+    for spec in SPECS[1:]:
+        compiled = "vparallel_ce: compiling the loss with torch.compile (backend aot_eager)"
+        assert compiled in logs[spec], logs[spec][-3000:]
+        assert "zlib.crc32" not in logs[spec] and "Graph break" not in logs[spec], logs[spec][-3000:]
 
 
 @needs_titan

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
+from . import compiled, kernels
 from .second_order import first_order_only
 from .call import Call, autocast_off, logits_call
 from .options import Options
@@ -76,9 +76,12 @@ def cross_entropy(
     options = Options(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
                       num_valid_tokens=num_valid_tokens, z_loss=z_loss, softcap=softcap, chunks=chunks, policy=policy,
                       vocab_size=vocab_size, check=check)
-    call, inp = logits_call(logits, target, op="cross_entropy", group=group, options=options)
-    out = _CrossEntropy.apply(inp.x, inp.target, call)
-    return out.reshape(inp.shape) if reduction == "none" else out
+    if torch.compiler.is_compiling():  # one custom op in the graph (vparallel_ce.compiled)
+        out, shape = compiled.apply("cross_entropy", (logits, target, None, None), group, options)
+    else:
+        call, inp = logits_call(logits, target, op="cross_entropy", group=group, options=options)
+        out, shape = _CrossEntropy.apply(inp.x, inp.target, call), inp.shape
+    return out.reshape(shape) if reduction == "none" else out
 
 
 def logits_statistics(x: torch.Tensor, target: torch.Tensor, call: Call) -> tuple[TokenStats, tuple]:
@@ -135,3 +138,7 @@ class _CrossEntropy(torch.autograd.Function):
             g = grad_out.reshape(-1) if ctx.call.reduction == "none" else grad_out
             dx = logits_gradient(x, ctx.targets, ctx.shift, scale_coefs(ctx.coefs, g), ctx.call)
         return dx, None, None
+
+
+compiled.register("cross_entropy", _CrossEntropy, logits_call, lambda inp: (inp.x, inp.target), grad_of=(0, None),
+                  required=2, arity=2, target=1, outputs=1)

@@ -28,7 +28,8 @@ blocks or ranks) are always fp32; a gradient made by one matmul is written in it
 Under ``torch.autocast`` the matmuls run in the autocast dtype (``Call.matmul_dtype``), as
 ``F.linear`` would there; statistics are fp32 and each input's gradient comes back in its own dtype
 (fp32 for fp32 master weights). Works with: any TP degree (uneven and empty shards), sequence
-parallelism, DTensor weight ``Shard(0)`` / hidden, ``torch.compile`` (graph break around the op).
+parallelism, DTensor weight ``Shard(0)`` / hidden, ``torch.compile`` (one custom op in the graph on
+one rank, a graph break at the op under TP: :mod:`vparallel_ce.compiled`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import comm, kernels, policy as _policy
+from . import comm, compiled, kernels, policy as _policy
 from .policy import GradMode
 from .second_order import first_order_only
 from .call import Call, autocast_off, linear_call
@@ -122,9 +123,12 @@ def linear_cross_entropy(
                       schedule=schedule, recompute=recompute, policy=policy, vocab_size=vocab_size,
                       sequence_parallel=sequence_parallel, check=check, check_replicated=check_replicated,
                       logits_dtype=logits_dtype)
-    call, inp = linear_call(hidden, weight, target, bias, op="linear_cross_entropy", group=group, options=options)
-    out = _LinearCrossEntropy.apply(inp.h, inp.w, inp.b, inp.target, call)
-    return out.reshape(inp.shape) if reduction == "none" else out
+    if torch.compiler.is_compiling():  # one custom op in the graph (vparallel_ce.compiled)
+        out, shape = compiled.apply("linear_cross_entropy", (hidden, weight, target, bias), group, options)
+    else:
+        call, inp = linear_call(hidden, weight, target, bias, op="linear_cross_entropy", group=group, options=options)
+        out, shape = _LinearCrossEntropy.apply(inp.h, inp.w, inp.b, inp.target, call), inp.shape
+    return out.reshape(shape) if reduction == "none" else out
 
 
 class Rows:
@@ -382,7 +386,10 @@ class Schedule:
                 x = kept[i] if kept else logits(call, h_c, w_blk, b_blk)
                 if kept:
                     kept[i] = None  # its memory is reused by the gradient, then freed
-                dx = _grad_in_place(ops, x, idx, in_blk, shift, coefs, call.spec)
+                if kept and compiled.KEPT_READ_ONLY.get():  # a compiled backward's: read only
+                    dx = ops.grad_logits(x, idx, in_blk, shift, coefs, call.spec)
+                else:
+                    dx = _grad_in_place(ops, x, idx, in_blk, shift, coefs, call.spec)
                 del x
             grads.add_block(blk, dx, h_c, w_blk, dh_rows)
             del dx  # free this block before the next one's is allocated
@@ -651,3 +658,8 @@ def _valid_count(t: torch.Tensor, call: Call, valid: torch.Tensor | None = None)
     if call.sequence_parallel:  # mean over the tokens of the whole group
         comm.all_reduce_sum_(n, call.layout.group)
     return n
+
+
+compiled.register("linear_cross_entropy", _LinearCrossEntropy, linear_call,
+                  lambda inp: (inp.h, inp.w, inp.b, inp.target), grad_of=(0, 1, 3, None), required=3, arity=4, target=2,
+                  outputs=1)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
+from . import compiled, kernels
 from .second_order import first_order_only
 from .call import Call, autocast_off, linear_call, logits_call
 from .options import Options
@@ -64,10 +64,13 @@ def token_logprobs(
     """
     options = Options(reduction="none", ignore_index=ignore_index, temperature=temperature, with_entropy=with_entropy,
                       chunks=chunks, policy=policy, vocab_size=vocab_size, check=check)
-    call, inp = logits_call(logits, target, op="token_logprobs", group=group, options=options)
-    logp, entropy = _TokenLogprobs.apply(inp.x, inp.target, call)
-    logp = logp.reshape(inp.shape)
-    return (logp, entropy.reshape(inp.shape)) if with_entropy else logp
+    if torch.compiler.is_compiling():  # one custom op in the graph (vparallel_ce.compiled)
+        (logp, entropy), shape = compiled.apply("token_logprobs", (logits, target, None, None), group, options)
+    else:
+        call, inp = logits_call(logits, target, op="token_logprobs", group=group, options=options)
+        (logp, entropy), shape = _TokenLogprobs.apply(inp.x, inp.target, call), inp.shape
+    logp = logp.reshape(shape)
+    return (logp, entropy.reshape(shape)) if with_entropy else logp
 
 
 def linear_token_logprobs(
@@ -113,10 +116,15 @@ def linear_token_logprobs(
     options = Options(reduction="none", ignore_index=ignore_index, temperature=temperature, with_entropy=with_entropy,
                       chunks=chunks, policy=policy, vocab_size=vocab_size, sequence_parallel=sequence_parallel,
                       check=check, check_replicated=check_replicated, logits_dtype=logits_dtype)
-    call, inp = linear_call(hidden, weight, target, bias, op="linear_token_logprobs", group=group, options=options)
-    logp, entropy = _LinearTokenLogprobs.apply(inp.h, inp.w, inp.b, inp.target, call)
-    logp = logp.reshape(inp.shape)
-    return (logp, entropy.reshape(inp.shape)) if with_entropy else logp
+    if torch.compiler.is_compiling():  # one custom op in the graph (vparallel_ce.compiled)
+        (logp, entropy), shape = compiled.apply("linear_token_logprobs", (hidden, weight, target, bias), group,
+                                                options)
+    else:
+        call, inp = linear_call(hidden, weight, target, bias, op="linear_token_logprobs", group=group,
+                                options=options)
+        (logp, entropy), shape = _LinearTokenLogprobs.apply(inp.h, inp.w, inp.b, inp.target, call), inp.shape
+    logp = logp.reshape(shape)
+    return (logp, entropy.reshape(shape)) if with_entropy else logp
 
 
 def _outputs(st, valid):
@@ -225,3 +233,10 @@ class _LinearTokenLogprobs(torch.autograd.Function):
                 sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, m_c, coefs,
                                 kept_chunks[c] if kept_chunks else [], grads)
             return grads.finish(rows) + (None, None)
+
+
+compiled.register("token_logprobs", _TokenLogprobs, logits_call, lambda inp: (inp.x, inp.target), grad_of=(0, None),
+                  required=2, arity=2, target=1, outputs=2)
+compiled.register("linear_token_logprobs", _LinearTokenLogprobs, linear_call,
+                  lambda inp: (inp.h, inp.w, inp.b, inp.target), grad_of=(0, 1, 3, None), required=3, arity=4, target=2,
+                  outputs=2)

@@ -147,9 +147,12 @@ _CACHED_TYPES = (int, float, str, bool, type(None), ChunkPolicy, torch.dtype)
 
 def check_options(**options) -> Problem | None:
     """Check the keyword options a call was given (only those named)."""
+    # no cache while dynamo traces a call (vparallel_ce.compiled): it would guard the graph on the
+    # cache's contents, which the check itself changes
+    cached = not torch.compiler.is_compiling()
     for name, value in options.items():
         # the type is part of the key: True == 1 == 1.0, but chunks=True is not chunks=1
-        key = (name, type(value), value) if type(value) in _CACHED_TYPES else None
+        key = (name, type(value), value) if cached and type(value) in _CACHED_TYPES else None
         try:
             if key in _GOOD_OPTIONS:
                 continue
@@ -476,7 +479,9 @@ def agree(
         v = local_size() if vocab_size is None else vocab_size
         if v != local_size():
             raise ValueError(f"vocab_size={vocab_size} but the unsharded input has {local_size()} classes")
-        pending = DeferredTargetCheck(target, ignore_index, v) if span else None
+        # a fake target (torch.compile tracing the op's shapes) has no ids to check: the compiled
+        # op's own run checks the real ones (vparallel_ce.compiled)
+        pending = DeferredTargetCheck(target, ignore_index, v) if span and not kernels.is_fake(target) else None
         return Agreement(VocabLayout.of_rank(None, 1, 0, v), None, pending)
     me = comm.rank(group)
     counts = None

@@ -218,6 +218,15 @@ def _autocast_off(t: torch.Tensor):
         yield
 
 
+def _compile(self, backend: str = "inductor"):
+    """Compile the loss's :meth:`forward` with ``torch.compile(backend=backend)``, as torchtitan
+    compiles its own loss for ``compile.components`` holding ``"loss"``. On one rank the op is one
+    custom op of the graph; under TP (DTensor inputs) it runs eagerly between graphs
+    (:mod:`vparallel_ce.compiled`). Returns the loss."""
+    self.forward = torch.compile(self.forward, backend=backend)
+    return self
+
+
 class LogitsLoss:
     """``vparallel_ce.cross_entropy`` on the model's logits ``[B, S, V]`` -- under TP with loss
     parallel the ``Shard(-1)`` DTensor (its mesh gives the group), else a plain tensor."""
@@ -232,8 +241,13 @@ class LogitsLoss:
         return self.module.options
 
     def __call__(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.forward(pred, labels)
+
+    def forward(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with _autocast_off(pred):
             return self.module(pred, labels)
+
+    compile = _compile
 
 
 class FusedLoss:
@@ -268,9 +282,13 @@ class FusedLoss:
                 f"{type(pred).__name__}: use a *_vparallel_fused train spec, whose model's output module is a "
                 f"FusedLMHead"
             )
-        hidden, weight = pred
+        return self.forward(*pred, labels)
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with _autocast_off(hidden):
             return self.module(hidden, weight, labels)
+
+    compile = _compile
 
 
 def build_torchtitan_loss_fn(job_config, *, fused: bool = False, **kwargs):
@@ -279,9 +297,10 @@ def build_torchtitan_loss_fn(job_config, *, fused: bool = False, **kwargs):
     :class:`LogitsLoss`. Bad options raise here, when torchtitan builds the loss."""
     del kwargs  # parallel_dims: the group comes from the DTensors
     cfg = _options(job_config)
-    if job_config.compile.enable and "loss" in job_config.compile.components:
-        logger.info("vparallel_ce: the loss is not compiled (it runs its own chunk loop and collectives)")
     loss = FusedLoss(cfg) if fused else LogitsLoss(cfg)
+    if job_config.compile.enable and "loss" in job_config.compile.components:
+        logger.info(f"vparallel_ce: compiling the loss with torch.compile (backend {job_config.compile.backend})")
+        loss.compile(job_config.compile.backend)
     logger.info(f"vparallel_ce: {loss.__name__} with {loss.options}")
     return loss
 

@@ -25,11 +25,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import stats
 
 __all__ = ["KernelChoice", "KernelSettings", "settings", "use", "KernelBackend", "FusedLinear", "ops_for",
-           "fused_applies", "target_facts", "word_checksum", "TORCH_OPS"]
+           "fused_applies", "target_facts", "word_checksum", "TORCH_OPS", "is_fake"]
 
 
 # ----------------------------------------------------------------------------------------- settings
@@ -238,13 +239,20 @@ def _triton_ops(fused: bool):
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def is_fake(t) -> bool:
+    """Whether ``t`` is a fake tensor (``torch.compile`` tracing an op's shapes,
+    :mod:`vparallel_ce.compiled`): it holds no data, so no Triton kernel can run on it; the torch
+    reference gives the same shapes and dtypes."""
+    return isinstance(t, FakeTensor)
+
+
 def ops_for(x, current: KernelSettings | None = None):
     """The implementation for tensors like ``x`` under ``current`` (a call's kept settings; default
     the current :func:`settings`): Triton on CUDA (fp16/bf16/fp32) when importable (``choice``
     ``auto``), or wherever it imports (``triton``), with the fused lm_head GEMM kernels unless
     ``fused`` is off; the torch reference otherwise."""
     current = current or settings()
-    if current.choice is KernelChoice.TORCH:
+    if current.choice is KernelChoice.TORCH or is_fake(x):
         return TORCH_OPS
     if current.choice is KernelChoice.TRITON or (x.is_cuda and x.dtype in _TRITON_DTYPES):
         ops = _triton_ops(current.fused)
@@ -279,7 +287,7 @@ def target_facts(target, ignore_index: int):
     the ``torch`` choice): the caller then runs the torch version."""
     if settings().choice is KernelChoice.TORCH or target.dtype not in (torch.int64, torch.int32):
         return None
-    if not (target.is_cuda or _INTERPRETING):
+    if not (target.is_cuda or _INTERPRETING) or is_fake(target):
         return None
     modules = _modules()
     return None if modules is None else modules[2].target_facts(target, ignore_index)
@@ -289,7 +297,7 @@ def word_checksum(words):
     """The Triton version of :func:`vparallel_ce.validate.word_checksum` for a contiguous int32 CUDA
     tensor (:func:`.targets.word_checksum`), or None where it does not apply: the caller then runs
     the torch version."""
-    if settings().choice is KernelChoice.TORCH or not (words.is_cuda or _INTERPRETING):
+    if settings().choice is KernelChoice.TORCH or not (words.is_cuda or _INTERPRETING) or is_fake(words):
         return None
     modules = _modules()
     return None if modules is None else modules[2].word_checksum(words)

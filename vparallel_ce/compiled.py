@@ -1,0 +1,420 @@
+"""``torch.compile`` of the public ops: each op is two ``torch.library`` custom ops in the graph.
+
+While dynamo traces a public op (``torch.compiler.is_compiling()``), the op calls :func:`apply`
+instead of running its body: a Python chunk loop, kernels of its own and a host read of the target
+range are nothing dynamo should trace. :func:`apply` puts ONE custom op in the graph,
+``vparallel_ce::forward``, whose real run is the eager op: the front door (:mod:`vparallel_ce.call`:
+the same checks and messages, the world-1 target check raising :class:`InvalidInputError` from
+inside it), then the op's autograd Function's ``forward`` with the kernels eager would pick. Its
+autograd formula (``torch.library.register_autograd``) is ``vparallel_ce::backward``, which runs the
+Function's ``backward``. So ``fullgraph=True`` holds at world 1 and the compiled op computes what
+the eager one does, on any backend (``eager``, ``aot_eager``, ``inductor``).
+
+Both ops are functional, as AOTAutograd requires. What a Function's forward leaves its backward
+(``ctx`` attributes: statistics per chunk, kept logits, gradients made in forward, the
+:class:`~vparallel_ce.call.Call`) leaves the forward op as extra tensor outputs -- every tensor of
+it that is not an input -- and comes back as the backward op's inputs; the structure around those
+tensors (a template with slots, :func:`_strip`) is the same for every call with the same options
+and input shapes, and is kept by the forward's run for the backward (:data:`_TEMPLATES`). Fake
+tensors (tracing) run the same forward with the torch reference kernels, which give the Triton
+kernels' shapes: every tensor of the state is its own output, so the count never depends on how a
+kernel aliases its results.
+
+The options reach the ops as one string constant (:func:`_key`), with the ``torch.autocast`` dtype
+and the kernel settings (:func:`vparallel_ce.kernels.settings`) in force when dynamo traced the
+call: a graph keeps the settings it was traced with. On a process group of several ranks, or with
+DTensor inputs, the op runs eagerly between two graphs (``torch.compiler.disable``: a graph break at
+the op, no warning): its exchange reads the ranks' facts on the host and its chunk loop runs
+collectives.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import contextvars
+import copy
+import enum
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import guard_int
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import comm, kernels
+from .call import autocast_dtype, is_dtensor
+from .options import OPTION_NAMES, Options
+from .policy import ChunkPolicy
+from .validate import DeferredTargetCheck, check_call_options
+
+__all__ = ["apply", "register", "KEPT_READ_ONLY"]
+
+#: True while a compiled op's backward runs: its kept logits are outputs of the forward op, which
+#: the graph may read again (a second backward with ``retain_graph``), so the gradient pass writes
+#: into a new buffer instead of over them (:meth:`vparallel_ce.linear.Schedule.gradients`)
+KEPT_READ_ONLY = contextvars.ContextVar("vparallel_ce_kept_logits_read_only", default=False)
+
+
+@dataclass(frozen=True)
+class _Op:
+    function: type  # the autograd Function
+    front: Callable  # vparallel_ce.call.logits_call or linear_call
+    args: Callable  # the Function's tensor arguments from the front door's inputs
+    grad_of: tuple  # per Function tensor argument: the position of the op input it is, or None
+    required: int  # the leading op inputs that must be tensors
+    arity: int  # the op inputs the front door takes (2: logits, target; 4: hidden, weight, target, bias)
+    target: int  # the position of the target among the op inputs
+    outputs: int  # the Function's outputs
+
+
+_OPS: dict[str, _Op] = {}
+
+
+def register(name: str, function: type, front: Callable, args: Callable, *, grad_of: tuple, required: int,
+             arity: int, target: int, outputs: int) -> None:
+    """Make the op ``name`` (one of :data:`vparallel_ce.validate.OPS`) compilable: ``function`` is
+    its autograd Function, ``front`` its front door, ``args(inputs)`` the Function's tensor
+    arguments. Called by each op's module when it is imported."""
+    _OPS[name] = _Op(function, front, args, grad_of, required, arity, target, outputs)
+
+
+def apply(name: str, tensors: tuple, group, options: Options):
+    """What a public op runs while dynamo traces it. ``tensors``: the op's tensor arguments in the
+    custom ops' order (logits ops ``(logits, target, None, None)``, linear ops ``(hidden, weight,
+    target, bias)``). Returns the Function's outputs (one tensor or a tuple) and the target's shape,
+    as the eager path has them."""
+    op = _OPS[name]
+    if not _one_rank(op, tensors, group):
+        return _eager(name, tensors, group, options)
+    problem = check_call_options(options)
+    if problem is not None:
+        problem.raise_()
+    count = options.num_valid_tokens
+    if count is not None and not isinstance(count, torch.Tensor):  # an int: a tensor, so that a new
+        count = torch.tensor(count, dtype=torch.int64, device=tensors[0].device)  # count each step is not a new graph
+    key = _key(options, autocast_dtype(tensors[0].device))
+    grad = torch.is_grad_enabled()
+    need = [grad and t is not None and t.requires_grad for t in tensors]
+    outs = torch.ops.vparallel_ce.forward(name, key, need, *tensors, count)
+    return (outs[0] if op.outputs == 1 else tuple(outs[:op.outputs])), tensors[op.target].shape
+
+
+def _one_rank(op: _Op, tensors: tuple, group) -> bool:
+    """Whether the call goes into the graph: plain tensors (no DTensor) on one rank. Anything else,
+    bad arguments included, runs eagerly (which raises what eager raises)."""
+    for i, t in enumerate(tensors):
+        if not (isinstance(t, torch.Tensor) or (t is None and i >= op.required)) or is_dtensor(t):
+            return False
+    return group is None or comm.world_size(comm.resolve_group(group)) == 1
+
+
+@torch.compiler.disable
+def _eager(name: str, tensors: tuple, group, options: Options):
+    """The eager op, between two graphs."""
+    op = _OPS[name]
+    call, inp = op.front(*tensors[: op.arity], op=name, group=group, options=options)
+    return op.function.apply(*op.args(inp), call), inp.shape
+
+
+# ---------------------------------------------------------------------------------------------
+# The options as a string constant of the graph
+
+
+_FLOATS = frozenset({"label_smoothing", "z_loss", "softcap", "temperature", "beta", "hard_weight"})
+_DTYPES = frozenset({"logits_dtype"})  # written by name (a torch.dtype is no literal)
+_POLICY_FIELDS = tuple(f.name for f in fields(ChunkPolicy) if f.init)
+
+
+def _key(o: Options, amp) -> str:
+    """``o`` (checked), the autocast dtype ``amp`` and the kernel settings as one string: a tuple
+    literal of the options, then the two others. Built while dynamo traces, which folds it into a
+    constant. A tensor ``num_valid_tokens`` is an input of the op, written as ``'tensor'``."""
+    parts = []
+    for name in OPTION_NAMES:
+        v = getattr(o, name)
+        if name == "policy" and v is not None:
+            v = tuple(getattr(v, f) for f in _POLICY_FIELDS)
+        elif name == "num_valid_tokens" and v is not None:
+            v = "tensor"
+        elif name in _FLOATS and v is not None:
+            v = float(v)
+        elif name in _DTYPES and v is not None:
+            v = str(v).removeprefix("torch.")
+        parts.append(f"{v!r}")
+    return f"({', '.join(parts)},)|{amp!r}|{_settings_code()}"
+
+
+@torch._dynamo.assume_constant_result
+def _settings_code() -> str:
+    """The current kernel settings, read when dynamo traces (they live in a ContextVar, which
+    dynamo does not trace)."""
+    s = kernels.settings()
+    return f"{s.choice.value},{int(s.fused)},{int(s.warp_specialized)}"
+
+
+@functools.lru_cache(maxsize=256)
+def _decode(key: str) -> tuple[Options, torch.dtype | None, kernels.KernelSettings]:
+    literal, amp, settings = key.rsplit("|", 2)
+    values = dict(zip(OPTION_NAMES, ast.literal_eval(literal)))
+    if values["policy"] is not None:
+        values["policy"] = ChunkPolicy(**dict(zip(_POLICY_FIELDS, values["policy"])))
+    for name in _DTYPES:
+        if values[name] is not None:
+            values[name] = getattr(torch, values[name])
+    dtype = None if amp == "None" else getattr(torch, amp.removeprefix("torch."))
+    choice, fused, ws = settings.split(",")
+    return Options(**values), dtype, kernels.KernelSettings(choice, fused == "1", ws == "1")
+
+
+@contextlib.contextmanager
+def _as_traced(key: str, device: torch.device):
+    """The settings and autocast state that dynamo saw, for the front door (the graph may run
+    without them: Inductor does not re-enter the autocast region around an op)."""
+    _, amp, s = _decode(key)
+    kind = device.type
+    if amp is not None:
+        autocast = torch.autocast(kind, dtype=amp)
+    elif torch.is_autocast_enabled(kind):
+        autocast = torch.autocast(kind, enabled=False)
+    else:
+        autocast = contextlib.nullcontext()
+    with kernels.use(s.choice, fused=s.fused, warp_specialized=s.warp_specialized), autocast:
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# A Function's ctx state as tensors and a template
+
+
+class _Ctx:
+    """Stands in for autograd's ctx when the ops run a Function's forward and backward."""
+
+    def __init__(self, needs_input_grad: tuple):
+        self.needs_input_grad = needs_input_grad
+        self.saved_tensors = ()
+        self.materialize = True
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def set_materialize_grads(self, value: bool):
+        self.materialize = value
+
+
+class _Slot:
+    """A tensor's place in a template: ``pool[index]``, reshaped to ``shape`` if given (a view of an
+    input)."""
+
+    __slots__ = ("index", "shape")
+
+    def __init__(self, index: int, shape=None):
+        self.index, self.shape = index, shape
+
+
+_STATIC = (type(None), bool, int, float, str, bytes, slice, enum.Enum, torch.dtype, torch.device, torch.Size)
+
+
+class _Tensors:
+    """Collects the tensors of a state: ``pool`` is the op's inputs, then its outputs, then the new
+    tensors (:attr:`new`, which the forward op returns after its outputs)."""
+
+    def __init__(self, inputs: list, outputs: list):
+        self.inputs = inputs
+        self.pool = list(inputs)
+        self.storages: dict = {}  # storage -> taken by an input or an output
+        for t in inputs:
+            if t is not None:
+                self.storages.setdefault(StorageWeakRef(t.untyped_storage()), t)
+        self.outputs = [self._own(t) for t in outputs]
+        self.pool += self.outputs
+        self.new: list = []
+        self.ids = {id(t): i for i, t in enumerate(self.pool) if t is not None}
+
+    def _own(self, t: Tensor) -> Tensor:
+        """``t`` as an output of the op: contiguous, and a copy where it would share memory with an
+        input or another output (a custom op's outputs alias nothing)."""
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref in self.storages:
+            t = t.clone(memory_format=torch.contiguous_format)
+        else:
+            t = t.contiguous()
+        self.storages[StorageWeakRef(t.untyped_storage())] = t
+        return t
+
+    def slot(self, t: Tensor) -> _Slot:
+        i = self.ids.get(id(t))
+        if i is not None and i < len(self.inputs) + len(self.outputs):
+            return _Slot(i)
+        for j, x in enumerate(self.inputs):  # a reshape of an input (the front door's [N, V] rows)
+            if (x is not None and t.numel() == x.numel() and t.dtype == x.dtype and t.is_contiguous()
+                    and x.is_contiguous() and t.storage_offset() == x.storage_offset()
+                    and StorageWeakRef(t.untyped_storage()) == StorageWeakRef(x.untyped_storage())):
+                return _Slot(j, tuple(t.shape))
+        self.new.append(self._own(t))
+        return _Slot(len(self.pool) + len(self.new) - 1)
+
+
+def _strip(value, tensors: _Tensors, memo: dict):
+    """``value`` with every tensor replaced by its :class:`_Slot` (containers copied; one copy per
+    object, so that state shared between attributes stays shared)."""
+    if isinstance(value, Tensor):
+        return tensors.slot(value)
+    if isinstance(value, _STATIC):
+        return value
+    if isinstance(value, DeferredTargetCheck):  # settled by the forward: nothing for the backward
+        return None
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, list):
+        out = memo[id(value)] = []
+        out.extend(_strip(v, tensors, memo) for v in value)
+    elif isinstance(value, tuple):
+        items = [_strip(v, tensors, memo) for v in value]
+        out = memo[id(value)] = type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    elif hasattr(value, "__dict__"):
+        out = memo[id(value)] = copy.copy(value)
+        for k, v in vars(value).items():
+            object.__setattr__(out, k, _strip(v, tensors, memo))
+    else:  # a process group, a function: kept as it is
+        out = value
+    return out
+
+
+def _fill(template, pool: list, memo: dict):
+    """The inverse of :func:`_strip`: a fresh copy of ``template`` with the tensors of ``pool``."""
+    if isinstance(template, _Slot):
+        t = pool[template.index]
+        return t if template.shape is None else t.reshape(template.shape)
+    if isinstance(template, _STATIC):
+        return template
+    if id(template) in memo:
+        return memo[id(template)]
+    if isinstance(template, list):
+        out = memo[id(template)] = []
+        out.extend(_fill(v, pool, memo) for v in template)
+    elif isinstance(template, tuple):
+        items = [_fill(v, pool, memo) for v in template]
+        out = memo[id(template)] = type(template)(*items) if hasattr(template, "_fields") else type(template)(items)
+    elif hasattr(template, "__dict__"):
+        out = memo[id(template)] = copy.copy(template)
+        for k, v in vars(template).items():
+            object.__setattr__(out, k, _fill(v, pool, memo))
+    else:
+        out = template
+    return out
+
+
+#: (op, key, need, the inputs' shapes, strides and dtypes) -> the template of the forward's ctx:
+#: written by the forward op's run, read by the backward's
+_TEMPLATES: dict = {}
+
+
+def _template_key(name, key, need, tensors) -> tuple:
+    return (name, key, tuple(need),
+            tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors))
+
+
+# ---------------------------------------------------------------------------------------------
+# The custom ops
+
+
+def _static(t):
+    """A fake tensor of symbolic shape as one of its concrete shape (guarded): the plan, the chunk
+    count and so the state's tensors are Python functions of the sizes. A compiled op is specialised
+    to its input shapes (a new shape is a recompile), dynamic shapes or not."""
+    if t is None or not any(isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride(), t.storage_offset())):
+        return t
+    return torch.empty_strided([guard_int(s) for s in t.shape], [guard_int(s) for s in t.stride()], dtype=t.dtype,
+                               device=t.device)
+
+
+def _forward(name: str, key: str, need: list, a, b, c, d, count, *, fake: bool) -> list:
+    op = _OPS[name]
+    if fake:
+        a, b, c, d, count = (_static(t) for t in (a, b, c, d, count))
+    options = _decode(key)[0]
+    if count is not None:
+        options = replace(options, num_valid_tokens=count)
+    inputs = [a, b, c, d]
+    with torch.no_grad(), _as_traced(key, a.device):
+        call, inp = op.front(*inputs[: op.arity], op=name, group=None, options=options)
+        ctx = _Ctx(tuple(j is not None and need[j] for j in op.grad_of) + (False,))
+        out = op.function.forward(ctx, *op.args(inp), call)
+    out = list(out) if isinstance(out, tuple) else [out]
+    tensors = _Tensors(inputs + [count], out)
+    if not any(need):  # no backward: the outputs alone
+        return tensors.outputs
+    template = _strip(ctx, tensors, {})
+    if not fake:
+        _TEMPLATES[_template_key(name, key, need, inputs + [count])] = template
+    return tensors.outputs + tensors.new
+
+
+@torch.library.custom_op("vparallel_ce::forward", mutates_args=())
+def _forward_op(name: str, key: str, need: list[bool], a: Tensor, b: Tensor, c: Optional[Tensor],
+                d: Optional[Tensor], count: Optional[Tensor]) -> list[Tensor]:
+    """The op ``name`` with options ``key``: its outputs, then the state its backward needs."""
+    return _forward(name, key, need, a, b, c, d, count, fake=False)
+
+
+@_forward_op.register_fake
+def _forward_fake(name, key, need, a, b, c, d, count):
+    return _forward(name, key, need, a, b, c, d, count, fake=True)
+
+
+@torch.library.custom_op("vparallel_ce::backward", mutates_args=())
+def _backward_op(name: str, key: str, need: list[bool], a: Tensor, b: Tensor, c: Optional[Tensor],
+                 d: Optional[Tensor], count: Optional[Tensor], saved: list[Tensor],
+                 grads: list[Optional[Tensor]]) -> list[Tensor]:
+    """The gradients of the inputs that ``need`` them, from the forward op's outputs ``saved``."""
+    op = _OPS[name]
+    inputs = [a, b, c, d]
+    template = _TEMPLATES[_template_key(name, key, need, inputs + [count])]
+    ctx = _fill(template, inputs + [count] + list(saved), {})
+    if ctx.materialize:
+        grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, saved)]
+    token = KEPT_READ_ONLY.set(True)
+    try:
+        with torch.no_grad():  # the Function's own backward, not its second-derivative guard
+            got = op.function.backward(ctx, *grads)
+    finally:
+        KEPT_READ_ONLY.reset(token)
+    taken = {StorageWeakRef(t.untyped_storage()) for t in [*inputs, count, *saved] if t is not None}
+    result = []
+    for j, x in enumerate(inputs):
+        if not need[j]:
+            continue
+        g = next((got[i] for i, src in enumerate(op.grad_of) if src == j), None)
+        if g is None:
+            g = torch.zeros_like(x, memory_format=torch.contiguous_format)
+        elif StorageWeakRef(g.untyped_storage()) in taken:
+            g = g.clone(memory_format=torch.contiguous_format)
+        result.append(g.reshape(x.shape).contiguous())
+    return result
+
+
+@_backward_op.register_fake
+def _backward_fake(name, key, need, a, b, c, d, count, saved, grads):
+    return [torch.empty(x.shape, dtype=x.dtype, device=x.device) for j, x in enumerate((a, b, c, d)) if need[j]]
+
+
+def _setup_context(ctx, inputs, output):
+    name, key, need, a, b, c, d, count = inputs
+    ctx.name, ctx.key, ctx.need = name, key, need
+    ctx.save_for_backward(a, b, c, d, count, *output)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grads):
+    a, b, c, d, count, *saved = ctx.saved_tensors
+    n = _OPS[ctx.name].outputs
+    got = iter(torch.ops.vparallel_ce.backward(ctx.name, ctx.key, ctx.need, a, b, c, d, count, saved,
+                                               list(grads[:n])))
+    return (None, None, None, *(next(got) if needed else None for needed in ctx.need), None)
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
