@@ -18,7 +18,8 @@ tensors (a template with slots, :func:`_strip`) is the same for every call with 
 and input shapes, and is kept by the forward's run for the backward (:data:`_TEMPLATES`). Fake
 tensors (tracing) run the same forward with the torch reference kernels, which give the Triton
 kernels' shapes: every tensor of the state is its own output, so the count never depends on how a
-kernel aliases its results.
+kernel aliases its results. Symbolic sizes (dynamic shapes) are specialised there (:func:`_static`):
+the plan is a Python function of the sizes, so a graph holds for the shapes it was traced with.
 
 The options reach the ops as one string constant (:func:`_key`), with the ``torch.autocast`` dtype
 and the kernel settings (:func:`vparallel_ce.kernels.settings`) in force when dynamo traced the
@@ -94,8 +95,10 @@ def apply(name: str, tensors: tuple, group, options: Options):
     if problem is not None:
         problem.raise_()
     count = options.num_valid_tokens
-    if count is not None and not isinstance(count, torch.Tensor):  # an int: a tensor, so that a new
-        count = torch.tensor(count, dtype=torch.int64, device=tensors[0].device)  # count each step is not a new graph
+    if count is not None and not isinstance(count, torch.Tensor):
+        # an int is a constant of the graph (dynamo specialises it) but not of the key, which would
+        # otherwise make a new template (_TEMPLATES) for every count
+        count = torch.tensor(count, dtype=torch.int64, device=tensors[0].device)
     key = _key(options, autocast_dtype(tensors[0].device))
     grad = torch.is_grad_enabled()
     need = [grad and t is not None and t.requires_grad for t in tensors]
