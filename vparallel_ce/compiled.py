@@ -261,54 +261,58 @@ class _Tensors:
         return _Slot(len(self.pool) + len(self.new) - 1)
 
 
-def _strip(value, tensors: _Tensors, memo: dict):
-    """``value`` with every tensor replaced by its :class:`_Slot` (containers copied; one copy per
-    object, so that state shared between attributes stays shared)."""
-    if isinstance(value, Tensor):
-        return tensors.slot(value)
+_AS_IS = object()  # a leaf function's answer: not a leaf, walk into it
+
+
+def _walk(value, leaf, memo: dict):
+    """``value`` with ``leaf(x)`` in place of every ``x`` for which it does not answer
+    :data:`_AS_IS`; containers and objects around them copied, one copy per object, so that state
+    shared between attributes stays shared."""
+    got = leaf(value)
+    if got is not _AS_IS:
+        return got
     if isinstance(value, _STATIC):
         return value
-    if isinstance(value, DeferredTargetCheck):  # settled by the forward: nothing for the backward
-        return None
     if id(value) in memo:
         return memo[id(value)]
     if isinstance(value, list):
         out = memo[id(value)] = []
-        out.extend(_strip(v, tensors, memo) for v in value)
+        out.extend(_walk(v, leaf, memo) for v in value)
     elif isinstance(value, tuple):
-        items = [_strip(v, tensors, memo) for v in value]
+        items = [_walk(v, leaf, memo) for v in value]
         out = memo[id(value)] = type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     elif hasattr(value, "__dict__"):
         out = memo[id(value)] = copy.copy(value)
         for k, v in vars(value).items():
-            object.__setattr__(out, k, _strip(v, tensors, memo))
+            object.__setattr__(out, k, _walk(v, leaf, memo))
     else:  # a process group, a function: kept as it is
         out = value
     return out
 
 
+def _strip(value, tensors: _Tensors, memo: dict):
+    """``value`` with every tensor replaced by its :class:`_Slot`."""
+
+    def leaf(x):
+        if isinstance(x, Tensor):
+            return tensors.slot(x)
+        if isinstance(x, DeferredTargetCheck):  # settled by the forward: nothing for the backward
+            return None
+        return _AS_IS
+
+    return _walk(value, leaf, memo)
+
+
 def _fill(template, pool: list, memo: dict):
     """The inverse of :func:`_strip`: a fresh copy of ``template`` with the tensors of ``pool``."""
-    if isinstance(template, _Slot):
-        t = pool[template.index]
-        return t if template.shape is None else t.reshape(template.shape)
-    if isinstance(template, _STATIC):
-        return template
-    if id(template) in memo:
-        return memo[id(template)]
-    if isinstance(template, list):
-        out = memo[id(template)] = []
-        out.extend(_fill(v, pool, memo) for v in template)
-    elif isinstance(template, tuple):
-        items = [_fill(v, pool, memo) for v in template]
-        out = memo[id(template)] = type(template)(*items) if hasattr(template, "_fields") else type(template)(items)
-    elif hasattr(template, "__dict__"):
-        out = memo[id(template)] = copy.copy(template)
-        for k, v in vars(template).items():
-            object.__setattr__(out, k, _fill(v, pool, memo))
-    else:
-        out = template
-    return out
+
+    def leaf(x):
+        if isinstance(x, _Slot):
+            t = pool[x.index]
+            return t if x.shape is None else t.reshape(x.shape)
+        return _AS_IS
+
+    return _walk(template, leaf, memo)
 
 
 #: (op, key, need, the inputs' shapes, strides and dtypes) -> the template of the forward's ctx:
