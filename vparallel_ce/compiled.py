@@ -32,6 +32,7 @@ collectives.
 from __future__ import annotations
 
 import ast
+import collections
 import contextlib
 import contextvars
 import copy
@@ -316,8 +317,17 @@ def _fill(template, pool: list, memo: dict):
 
 
 #: (op, key, need, the inputs' shapes, strides and dtypes) -> the template of the forward's ctx:
-#: written by the forward op's run, read by the backward's
-_TEMPLATES: dict = {}
+#: written by the forward op's run, read by the backward's; the least recently written go beyond
+#: _MAX_TEMPLATES (a run whose token counts never repeat would otherwise grow it without end)
+_TEMPLATES: collections.OrderedDict = collections.OrderedDict()
+_MAX_TEMPLATES = 1024
+
+
+def _keep_template(key: tuple, template) -> None:
+    _TEMPLATES[key] = template
+    _TEMPLATES.move_to_end(key)
+    while len(_TEMPLATES) > _MAX_TEMPLATES:
+        _TEMPLATES.popitem(last=False)
 
 
 def _template_key(name, key, need, tensors) -> tuple:
@@ -357,7 +367,7 @@ def _forward(name: str, key: str, need: list, a, b, c, d, count, *, fake: bool) 
         return tensors.outputs
     template = _strip(ctx, tensors, {})
     if not fake:
-        _TEMPLATES[_template_key(name, key, need, inputs + [count])] = template
+        _keep_template(_template_key(name, key, need, inputs + [count]), template)
     return tensors.outputs + tensors.new
 
 
