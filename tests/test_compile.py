@@ -239,3 +239,14 @@ def _tp_rank(rank, world):
 def test_tp2_compiled_equals_eager_without_warnings():
     for caught, records in run_ranks(_tp_rank, 2, timeout=240):
         assert caught == [] and records == [], (caught, records)
+
+
+def test_distillation_runs_eagerly_inside_a_compiled_function():
+    s, t = torch.randn(6, 11), torch.randn(6, 11)
+    target = torch.tensor([1, -100, 3, 4, 10, 0])
+
+    def fn(s, t):
+        return v.distillation_loss(torch.tanh(s), t, target, kind="jsd", hard_weight=0.3, reduction="none")
+
+    torch._dynamo.reset()
+    _assert_same(_run(torch.compile(fn, backend=BACKEND), s, t), _run(fn, s, t))

@@ -76,10 +76,18 @@ def distillation_loss(
     options = Options(reduction=reduction, ignore_index=ignore_index, num_valid_tokens=num_valid_tokens,
                       temperature=temperature, divergence=kind, beta=beta, hard_weight=hard_weight, chunks=chunks,
                       policy=policy, vocab_size=vocab_size, check=check)
+    return _distillation(student_logits, teacher_logits, target, group, options)
+
+
+# not (yet) a custom op of vparallel_ce.compiled: under torch.compile the op is a graph break, and
+# dynamo does not trace its front door and chunk loop
+@torch.compiler.disable
+def _distillation(student_logits, teacher_logits, target, group, options: Options) -> torch.Tensor:
     call, inp, teacher = distillation_call(student_logits, teacher_logits, target, group=group, options=options)
-    spec = DistillSpec(Divergence(kind), float(beta), float(temperature), float(hard_weight))
+    o = options
+    spec = DistillSpec(Divergence(o.divergence), float(o.beta), float(o.temperature), float(o.hard_weight))
     out = _Distillation.apply(inp.x, teacher.detach(), inp.target, target is not None, spec, call)
-    return out.reshape(inp.shape) if reduction == "none" else out
+    return out.reshape(inp.shape) if o.reduction == "none" else out
 
 
 def _stats_per_chunk(s, t, local_t, owned, spec: DistillSpec, call: Call) -> DistillStats:
