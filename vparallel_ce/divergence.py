@@ -57,7 +57,7 @@ from typing import NamedTuple
 import torch
 
 from . import comm
-from .stats import compute_dtype
+from .stats import compute_dtype, finite_shift
 
 __all__ = ["Divergence", "DIVERGENCES", "DistillSpec", "DistillStats", "statistics", "token_loss",
            "grad_student"]
@@ -118,11 +118,6 @@ def _maxima(z: torch.Tensor) -> torch.Tensor:
     return z.amax(dim=-1)  # nan where the row holds a nan: it then reaches the sums
 
 
-def _finite(m: torch.Tensor) -> torch.Tensor:
-    """A shift usable in ``exp(z - m)``: 0 where ``m = -inf`` (a fully masked row: exp(-inf) = 0)."""
-    return m.masked_fill(m == float("-inf"), 0.0)
-
-
 def _weighted(w: torch.Tensor, diff: torch.Tensor) -> torch.Tensor:
     """``w * diff`` with the term of a zero weight exactly 0 (a masked entry: ``0 * -inf``), while
     a nan weight (a nan logit) stays nan."""
@@ -130,7 +125,7 @@ def _weighted(w: torch.Tensor, diff: torch.Tensor) -> torch.Tensor:
 
 
 def _log_probs(z: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
-    return z - _finite(m).unsqueeze(-1) - log_s.unsqueeze(-1)
+    return z - finite_shift(m).unsqueeze(-1) - log_s.unsqueeze(-1)
 
 
 def _log_mixture(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
@@ -152,8 +147,8 @@ def statistics(s: torch.Tensor, t: torch.Tensor, local_t: torch.Tensor, owned: t
     m = comm.all_reduce_max_(torch.stack(maxima), layout.group)
     m_a, m_b = m[0], m[1]
     m_h = m[2] if spec.hard_apart else m_b
-    u = a - _finite(m_a).unsqueeze(-1)
-    v = b - _finite(m_b).unsqueeze(-1)
+    u = a - finite_shift(m_a).unsqueeze(-1)
+    v = b - finite_shift(m_b).unsqueeze(-1)
     eu, ev = torch.exp(u), torch.exp(v)
     sums = [eu.sum(-1), ev.sum(-1)]
     kind = spec.divergence
@@ -163,10 +158,10 @@ def statistics(s: torch.Tensor, t: torch.Tensor, local_t: torch.Tensor, owned: t
         sums.append(_weighted(ev, v - u).sum(-1))
     hard_row = len(sums)  # where the hard term's own sum-exp lands (at T = 1 it is the student's S_b)
     if spec.hard_apart:
-        sums.append(torch.exp(h - _finite(m_h).unsqueeze(-1)).sum(-1))
+        sums.append(torch.exp(h - finite_shift(m_h).unsqueeze(-1)).sum(-1))
     if spec.hard:
         if h.shape[-1] > 0:
-            picked = h.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) - _finite(m_h)
+            picked = h.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) - finite_shift(m_h)
         else:
             picked = torch.zeros_like(m_h)
         sums.append(torch.where(owned, picked, torch.zeros_like(picked)))

@@ -63,9 +63,9 @@ import torch
 
 from . import comm
 
-__all__ = ["LossSpec", "ChunkStats", "TokenStats", "GradCoefs", "local_targets", "block_targets", "local_stats", "merge",
-           "combine", "whole_vocab", "token_loss", "loss_grad_coefs", "token_weights", "unit_loss_coefs", "scale_coefs",
-           "loss_stats_grad_", "scale_rows", "logprob_grad_coefs", "grad_logits"]
+__all__ = ["LossSpec", "ChunkStats", "TokenStats", "GradCoefs", "local_targets", "block_targets", "local_stats",
+           "finite_shift", "merge", "combine", "whole_vocab", "token_loss", "loss_grad_coefs", "token_weights",
+           "unit_loss_coefs", "scale_coefs", "loss_stats_grad_", "scale_rows", "logprob_grad_coefs", "grad_logits"]
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
         zeros = torch.zeros((c,), dtype=z.dtype, device=z.device)
         return ChunkStats(neg_inf, zeros, zeros, zeros, zeros if spec.entropy else None)
     m = z.amax(dim=-1)  # nan where the row holds a nan: it then reaches the sum-exp below
-    u = z - _finite_shift(m).unsqueeze(-1)
+    u = z - finite_shift(m).unsqueeze(-1)
     e = torch.exp(u)
     sumexp = e.sum(dim=-1)
     picked = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
@@ -168,7 +168,7 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
     return ChunkStats(m, sumexp, tgt, total, zexp)
 
 
-def _finite_shift(m: torch.Tensor) -> torch.Tensor:
+def finite_shift(m: torch.Tensor) -> torch.Tensor:
     """The shift of ``exp(z - m)``: ``m``, or 0 where ``m = -inf`` (every logit of the row masked:
     their terms are then ``exp(-inf) = 0``, not ``exp(-inf + inf) = nan``)."""
     return m.masked_fill(m == float("-inf"), 0.0)
