@@ -490,6 +490,55 @@ def test_on_cuda_the_deferred_target_check_raises_for_every_op_and_passes_good_t
             fn(bad)
 
 
+def _deferred_cases(h, w, b=None):
+    """op name -> fn(target) -> outputs, for each op whose world-1 target check can be deferred."""
+    return {
+        "cross_entropy": lambda t: (vparallel_ce.cross_entropy(h @ w.T, t, reduction="none"),),
+        "linear_cross_entropy": lambda t: (vparallel_ce.linear_cross_entropy(h, w, t, bias=b),),
+        "linear_cross_entropy_vocab": lambda t: (vparallel_ce.linear_cross_entropy(h, w, t, schedule="vocab", chunks=2),),
+        "token_logprobs": lambda t: vparallel_ce.token_logprobs(h @ w.T, t, with_entropy=True),
+        "linear_token_logprobs": lambda t: vparallel_ce.linear_token_logprobs(h, w, t, with_entropy=True),
+        "distillation_loss": lambda t: (vparallel_ce.distillation_loss(h @ w.T, (h @ w.T).detach().flip(-1), t,
+                                                                       hard_weight=0.5),),
+    }
+
+
+def _check_deferred_to_backward(h, w, b, good):
+    for op, fn in _deferred_cases(h, w, b).items():
+        with torch.no_grad():
+            expected = fn(good)  # no backward follows: settled in forward
+        outs = fn(good)
+        for o, e in zip(outs, expected):
+            assert torch.equal(o.detach(), e), f"{op}: a good target's values change when the check is deferred"
+        sum(o.sum() for o in outs).backward()
+        h.grad = w.grad = None
+        bad = good.clone()
+        bad.view(-1)[1] = w.shape[0]
+        outs = fn(bad)  # no error yet: the forward never waits for the device
+        assert all(torch.isnan(o).all() for o in outs), f"{op}: the forward's values are not all NaN for a bad id"
+        with pytest.raises(vparallel_ce.InvalidInputError, match=rf"outside \[0, {w.shape[0]}\)"):
+            sum(o.sum() for o in outs).backward()
+        h.grad = w.grad = None
+
+
+def test_when_the_check_would_wait_for_the_device_a_bad_target_gives_nan_and_the_backward_raises(monkeypatch):
+    # on CUDA a host read of the span waits for the queue; with a backward to follow the forward
+    # does not read it: NaN outputs (never a plausible number), and the backward raises once its
+    # kernels are queued. Simulated here by making the CPU check report that it would wait.
+    from vparallel_ce.validate import DeferredTargetCheck
+
+    monkeypatch.setattr(DeferredTargetCheck, "waits_on_device", property(lambda self: not self.settled))
+    hidden, weight, bias, target = make_case(8, tokens=(4, 6), vocab=40)
+    _check_deferred_to_backward(hidden.requires_grad_(), weight.requires_grad_(), bias, target)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_bad_target_gives_nan_in_forward_and_raises_in_backward():
+    hidden, weight, bias, target = make_case(9, tokens=(4, 16), vocab=64)
+    h, w = hidden.float().cuda().requires_grad_(), weight.float().cuda().requires_grad_()
+    _check_deferred_to_backward(h, w, bias.float().cuda(), target.cuda())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_the_deferred_check_reuses_its_pinned_pair_only_once_settled():
     # the pinned span and its event are pooled (host time before the first GEMM); a check still

@@ -11,7 +11,7 @@ Megatron drop-in and the pipeline adapter -- go through the same steps, once per
 4. one metadata exchange over the group (:func:`vparallel_ce.validate.agree`): a bad input on any
    rank raises on every rank, the ranks agree on tokens and options, the shard sizes give the
    :class:`~vparallel_ce.layout.VocabLayout` (at world 1 the target range check is deferred to
-   the op's forward, :meth:`Call.settle`);
+   the op's forward, :meth:`Call.settle_forward`);
 5. the plan (:meth:`vparallel_ce.policy.ChunkPolicy.plan`) from the call's own knobs.
 
 The autograd Functions then read everything from the ``Call``; nothing after this module looks at
@@ -21,6 +21,7 @@ user arguments again.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +37,7 @@ from .validate import (
 )
 
 __all__ = ["Call", "LogitsInputs", "LinearInputs", "logits_call", "distillation_call", "linear_call", "autocast_dtype",
-           "autocast_off", "is_dtensor", "local"]
+           "autocast_off", "is_dtensor", "local", "settles_check"]
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,9 @@ class Call:
             divisor), or None: the call counts its valid tokens itself.
         kernels: the kernel settings in force at the call (:func:`vparallel_ce.kernels.settings`),
             kept so that its backward, which autograd may run on another thread, uses the same.
-        pending: the world-1 target check, settled by the op's forward once its kernels are queued
-            (:meth:`settle`); None on a group, where the exchange checked the targets.
+        pending: the world-1 target check, settled by the op's forward once its kernels are queued,
+            or by its backward (:meth:`settle_forward`); None on a group, where the exchange
+            checked the targets.
     """
 
     layout: VocabLayout
@@ -78,10 +80,22 @@ class Call:
     pending: DeferredTargetCheck | None = field(default=None, compare=False, repr=False)
 
     def settle(self) -> None:
-        """Raise the deferred target check's error, if any. Every op's forward calls this after
-        queueing its kernels and before returning."""
+        """Raise the deferred target check's error, if any."""
         if self.pending is not None:
             self.pending.settle()
+
+    def settle_forward(self, ctx, *outputs):
+        """Every op's forward ends here, its kernels queued: the deferred target check raises now,
+        or -- where settling would wait for the device and a backward will follow -- the outputs
+        come back NaN if an id is bad (:meth:`DeferredTargetCheck.poison`) and the backward
+        settles it (:func:`settles_check`). Returns ``outputs`` (one tensor for one)."""
+        p = self.pending
+        if p is not None and p.waits_on_device and any(ctx.needs_input_grad) \
+                and not getattr(ctx, "checks_in_forward", False):
+            outputs, ctx.pending = p.poison(outputs), p
+        else:
+            self.settle()
+        return outputs[0] if len(outputs) == 1 else outputs
 
     @property
     def all_owned(self) -> bool:
@@ -195,6 +209,21 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
                 _divisor(o, weight.device), pending)
     inputs = LinearInputs(_rows(hidden, n, weight.shape[-1]), weight, bias, _flat(target), target.shape)
     return call, inputs
+
+
+def settles_check(backward):
+    """Wraps an op's ``backward``: the target check its forward left pending
+    (:meth:`Call.settle_forward`) raises once the backward's kernels are queued."""
+
+    @functools.wraps(backward)
+    def run(ctx, *grad_outputs):
+        grads = backward(ctx, *grad_outputs)
+        pending = getattr(ctx, "pending", None)
+        if pending is not None:
+            pending.settle()
+        return grads
+
+    return run
 
 
 def _divisor(o: Options, device: torch.device) -> torch.Tensor | None:

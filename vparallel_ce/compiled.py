@@ -197,6 +197,10 @@ def _as_traced(key: str, device: torch.device):
 class _Ctx:
     """Stands in for autograd's ctx when the ops run a Function's forward and backward."""
 
+    # the backward op gets the forward's state as tensors only: the target check cannot wait for
+    # it, so the forward settles it (Call.settle_forward)
+    checks_in_forward = True
+
     def __init__(self, needs_input_grad: tuple):
         self.needs_input_grad = needs_input_grad
         self.saved_tensors = ()

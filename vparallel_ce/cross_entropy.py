@@ -15,7 +15,7 @@ import torch
 
 from . import compiled, kernels
 from .second_order import first_order_only
-from .call import Call, autocast_off, logits_call
+from .call import Call, autocast_off, logits_call, settles_check
 from .options import Options
 from .policy import ChunkPolicy
 from .stats import (
@@ -126,12 +126,11 @@ class _CrossEntropy(torch.autograd.Function):
             coefs = unit_loss_coefs(st, valid, n_valid, call.reduction, call.spec)
             ctx.save_for_backward(x)
             ctx.call, ctx.targets, ctx.shift, ctx.coefs = call, targets, st.max, coefs  # per-token vectors
-            loss = reduce(token_loss(st, valid, call.spec), n_valid, call.reduction)
-            call.settle()
-            return loss
+            return call.settle_forward(ctx, reduce(token_loss(st, valid, call.spec), n_valid, call.reduction))
 
     @staticmethod
     @first_order_only("cross_entropy")
+    @settles_check
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
         with autocast_off(x.device.type):

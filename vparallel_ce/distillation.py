@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .call import Call, autocast_off, distillation_call
+from .call import Call, autocast_off, distillation_call, settles_check
 from .divergence import Divergence, DistillSpec, DistillStats, grad_student, statistics, token_loss
 from .options import Options
 from .policy import ChunkPolicy
@@ -117,12 +117,11 @@ class _Distillation(torch.autograd.Function):
             weights = token_weights(valid, n_valid, call.reduction, st.t_max.dtype)
             ctx.save_for_backward(s, t)
             ctx.call, ctx.spec, ctx.stats, ctx.targets, ctx.weights = call, spec, st, (local_t, owned), weights
-            loss = reduce(token_loss(st, valid, spec), n_valid, call.reduction)
-            call.settle()
-            return loss
+            return call.settle_forward(ctx, reduce(token_loss(st, valid, spec), n_valid, call.reduction))
 
     @staticmethod
     @first_order_only("distillation_loss")
+    @settles_check
     def backward(ctx, grad_out):
         s, t = ctx.saved_tensors
         with autocast_off(s.device.type):

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from . import comm, compiled, kernels, policy as _policy
 from .policy import GradMode
 from .second_order import first_order_only
-from .call import Call, autocast_off, linear_call
+from .call import Call, autocast_off, linear_call, settles_check
 from .options import Options
 from .layout import aligned_parts, vocab_blocks
 from .stats import (
@@ -567,12 +567,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 ctx.save_for_backward(*grads.finish(rows))
             else:
                 ctx.save_for_backward(h, w, b, t)
-            loss = reduce(_cat(per_token), n_valid, call.reduction)
-            call.settle()
-            return loss
+            return call.settle_forward(ctx, reduce(_cat(per_token), n_valid, call.reduction))
 
     @staticmethod
     @first_order_only("linear_cross_entropy")
+    @settles_check
     def backward(ctx, grad_out):
         saved: Saved = ctx.saved
         call = saved.call

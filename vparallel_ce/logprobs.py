@@ -24,7 +24,7 @@ import torch
 
 from . import compiled, kernels
 from .second_order import first_order_only
-from .call import Call, autocast_off, linear_call, logits_call
+from .call import Call, autocast_off, linear_call, logits_call, settles_check
 from .options import Options
 from .cross_entropy import logits_gradient, logits_statistics
 from .linear import Grads, KeptLogits, Schedule, matmul_inputs
@@ -154,11 +154,11 @@ class _TokenLogprobs(torch.autograd.Function):
             ctx.save_for_backward(x, st.max, st.log_s, entropy)
             ctx.call, ctx.targets = call, targets  # the shard's target maps, for the backward
             ctx.set_materialize_grads(False)
-            call.settle()
-            return logp, entropy
+            return call.settle_forward(ctx, logp, entropy)
 
     @staticmethod
     @first_order_only("token_logprobs")
+    @settles_check
     def backward(ctx, g_logp, g_entropy):
         x, m, log_s, entropy = ctx.saved_tensors
         call = ctx.call
@@ -196,11 +196,11 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             ctx.call = call
             ctx.set_materialize_grads(False)
             logp, ent = (torch.cat(parts) for parts in zip(*mine))
-            call.settle()
-            return logp, ent
+            return call.settle_forward(ctx, logp, ent)
 
     @staticmethod
     @first_order_only("linear_token_logprobs")
+    @settles_check
     def backward(ctx, g_logp, g_entropy):
         h, w, b, t, shift, entropy = ctx.saved_tensors
         call = ctx.call

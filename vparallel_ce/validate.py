@@ -62,6 +62,12 @@ class DeferredTargetCheck:
     clamped into the shard (:func:`vparallel_ce.stats.local_targets`), so a bad id reads nothing out
     of bounds, and the error still comes before the op returns a value.
 
+    When a backward will follow, the forward does not wait at all (:meth:`poison`): its outputs
+    become NaN on the device if an id is bad, so no plausible number ever comes out, and the op's
+    backward settles the check once its own kernels are queued. A host wait in the forward would
+    otherwise leave the GPU idle while the host launches the backward -- with a small microbatch
+    behind a model's forward, a third of the loss' time.
+
     The pinned pair and its event are reused from call to call (one per device, taken out of the
     pool while a check is pending and put back once it is settled): allocating them is host time
     spent before the op's first GEMM on every call. A check abandoned unsettled (its forward
@@ -74,6 +80,7 @@ class DeferredTargetCheck:
         span = _target_span(target, ignore_index)
         self.vocab_size = vocab_size
         self.event = self.key = None
+        self.device_span = span  # for poison(): read on the device, in stream order
         if span.is_cuda:
             self.key = (span.device, span.dtype)
             # dict.pop is atomic, so two threads never take the same pair
@@ -85,17 +92,36 @@ class DeferredTargetCheck:
             self.span = span
         self.settled = False
 
+    @property
+    def waits_on_device(self) -> bool:
+        """Whether :meth:`settle` has to wait for the device (a CUDA target, not yet settled)."""
+        return self.event is not None and not self.settled
+
+    def poison(self, outputs: tuple) -> tuple:
+        """``outputs`` with every element NaN where a valid id lies outside ``[0, V)`` (decided on
+        the device, no host wait); the values themselves otherwise, bit for bit."""
+        lo, hi = self.device_span.unbind()
+        bad = (lo < 0) | (hi >= self.vocab_size)
+        return tuple(None if x is None else x.masked_fill(bad, float("nan")) for x in outputs)
+
     def settle(self) -> None:
         """Raise :class:`InvalidInputError` if a valid id lies outside ``[0, V)`` (once)."""
         if self.settled:
             return
         self.settled = True
+        self.device_span = None
         if self.event is not None:
             self.event.synchronize()
         lo, hi = self.span.tolist()
         if self.event is not None:  # the copy has landed and been read: the pair is free again
             self._pool[self.key] = (self.span, self.event)
         _check_targets([[lo, hi]], self.vocab_size)
+
+    def __del__(self):
+        # a check whose backward never ran (the loss was dropped) gives its pair back once its copy
+        # has landed; one still in flight is left to the allocator
+        if not self.settled and self.event is not None and self.event.query():
+            self._pool[self.key] = (self.span, self.event)
 
 
 def _is_int(v, lo: int = -(2**63), hi: int = 2**63 - 1) -> bool:

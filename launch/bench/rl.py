@@ -15,15 +15,24 @@ Methods:
 
 * ``rl_fused`` -- ``logp, ent = vparallel_ce.linear_token_logprobs(h, W, t, with_entropy=True)``,
   loss ``-(adv * logp).mean() - 0.01 * ent.mean()``;
+* ``rl_fused:fp32`` -- the same with ``logits_dtype=torch.float32`` (the lm_head GEMM's fp32 result,
+  never rounded to bf16); ``rl_fused:invariant`` -- the same with ``batch_invariant=True``;
 * ``loss_op`` -- ``vparallel_ce.linear_cross_entropy(h, W, t)`` (mean), the op the target is set
   against: ``rl_fused`` should take <= 1.1x its time at the same peak memory;
 * ``gathered`` -- the full logits: ``(h @ W.T).float() / T``, ``log_softmax``, gather, entropy
-  ``-(p * log p).sum(-1)``, the same loss (what an RL trainer does without a fused op).
+  ``-(p * log p).sum(-1)``, the same loss (what an RL trainer does without a fused op);
+  ``compile`` -- that under ``torch.compile``;
+* ``verl`` -- verl's fused linear log-prob/entropy Triton kernel
+  (``verl.utils.kernel.linear_cross_entropy``, CUDA only), the same loss. With verl installed it is
+  imported as usual; ``--verl-path DIR`` loads just its two kernel files from an unpacked wheel
+  (``unzip verl-*.whl 'verl/utils/kernel/*' -d DIR``), without verl's other dependencies.
 
 Run from the repository root::
 
     python -m launch.bench.rl --out rl.jsonl   # one GPU, bf16: 8192x4096x128256 and 8192x4096x16032
     python -m launch.bench.rl --smoke          # CPU, tiny shapes (tests/test_bench_rl.py)
+    python -m launch.bench.rl --shapes qwen3_8b,qwen3_8b_tp8,qwen3_8b_32k,qwen3_8b_tp8_32k \
+        --methods rl_fused,rl_fused:fp32,rl_fused:invariant,verl,compile,gathered --verl-path /tmp/verl
 """
 
 from __future__ import annotations
@@ -41,6 +50,9 @@ import vparallel_ce
 from launch.bench.timing import sync, time_and_peak
 
 SHAPES = {"llama3_8b": (8192, 4096, 128256), "llama3_8b_tp8": (8192, 4096, 16032)}
+# Qwen3-8B: vocab 151936, its TP=8 shard 18992; 8k and 32k tokens
+MORE_SHAPES = {"qwen3_8b": (8192, 4096, 151936), "qwen3_8b_tp8": (8192, 4096, 18992),
+               "qwen3_8b_32k": (32768, 4096, 151936), "qwen3_8b_tp8_32k": (32768, 4096, 18992)}
 SMOKE_SHAPES = {"smoke": (256, 64, 1000), "smoke_odd": (192, 32, 333)}
 METHODS = ("rl_fused", "loss_op", "gathered")
 ENTROPY_COEF = 0.01
@@ -49,10 +61,16 @@ TIME_TARGET = 1.1  # rl_fused / loss_op
 
 # ------------------------------------------------------------------------------------------ methods
 
-def _rl_fused(h, w, t, adv, temperature, chunks):
-    logp, ent = vparallel_ce.linear_token_logprobs(h, w, t, temperature=temperature, with_entropy=True,
-                                                   chunks=chunks)
+def _rl_loss(logp, ent, adv):
     return -(adv * logp).mean() - ENTROPY_COEF * ent.mean(), (logp, ent)
+
+
+def _rl_fused_with(**options):
+    def fn(h, w, t, adv, temperature, chunks):
+        logp, ent = vparallel_ce.linear_token_logprobs(h, w, t, temperature=temperature, with_entropy=True,
+                                                       chunks=chunks, **options)
+        return _rl_loss(logp, ent, adv)
+    return fn
 
 
 def _loss_op(h, w, t, adv, temperature, chunks):
@@ -72,10 +90,59 @@ def gathered_logprobs(h, w, t, temperature, dtype=torch.float32):
 
 def _gathered(h, w, t, adv, temperature, chunks):
     logp, ent = gathered_logprobs(h, w, t, temperature)
-    return -(adv * logp).mean() - ENTROPY_COEF * ent.mean(), (logp, ent)
+    return _rl_loss(logp, ent, adv)
 
 
-FNS = {"rl_fused": _rl_fused, "loss_op": _loss_op, "gathered": _gathered}
+_COMPILED = []
+
+
+def _compiled(h, w, t, adv, temperature, chunks):
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(gathered_logprobs, dynamic=False))
+    logp, ent = _COMPILED[0](h, w, t, temperature)
+    return _rl_loss(logp, ent, adv)
+
+
+VERL_PATH = []  # --verl-path
+
+
+def _verl_kernel():
+    """verl's ``linear_cross_entropy`` (hidden, weight, labels, temperature, reduction, group) ->
+    (logprobs, entropy): imported from verl, or from its two kernel files under ``--verl-path``."""
+    if not VERL_PATH:
+        from verl.utils.kernel.linear_cross_entropy import linear_cross_entropy
+        return linear_cross_entropy
+    import importlib.util
+    import types
+    root = VERL_PATH[0]
+    # the kernel files import only these helpers of verl.utils.device (which pulls in verl's
+    # platform plugins): stand-ins for a CUDA device
+    device = types.ModuleType("verl.utils.device")
+    device.is_cuda_available = torch.cuda.is_available()
+    device.get_device_name = lambda: "cuda"
+    device.get_torch_device = lambda: torch.cuda
+    device.get_device_capability = lambda *a: torch.cuda.get_device_capability()
+    for name in ("verl", "verl.utils", "verl.utils.kernel"):
+        mod = sys.modules.setdefault(name, types.ModuleType(name))
+        mod.__path__ = [f"{root}/{name.replace('.', '/')}"]
+    sys.modules["verl.utils.device"] = device
+    mods = {}
+    for name in ("kernels", "linear_cross_entropy"):
+        full = f"verl.utils.kernel.{name}"
+        spec = importlib.util.spec_from_file_location(full, f"{root}/verl/utils/kernel/{name}.py")
+        mods[name] = sys.modules[full] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mods[name])
+    return mods["linear_cross_entropy"].linear_cross_entropy
+
+
+def _verl(h, w, t, adv, temperature, chunks):
+    logp, ent = _verl_kernel()(h, w, t, float(temperature), "none", None)
+    return _rl_loss(logp, ent, adv)
+
+
+FNS = {"rl_fused": _rl_fused_with(), "rl_fused:fp32": _rl_fused_with(logits_dtype=torch.float32),
+       "rl_fused:invariant": _rl_fused_with(batch_invariant=True), "loss_op": _loss_op, "gathered": _gathered,
+       "compile": _compiled, "verl": _verl}
 
 
 # ---------------------------------------------------------------------------------------- reference
@@ -202,8 +269,11 @@ def main(argv=None):
     p.add_argument("--ref-dtype", default="float64")
     p.add_argument("--no-ref", action="store_true", help="skip the reference (no error columns)")
     p.add_argument("--out", default=None, help="append one JSON line per measurement to this file")
+    p.add_argument("--verl-path", default=None, help="load verl's kernel files from this unpacked wheel")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
+    if args.verl_path:
+        VERL_PATH[:] = [args.verl_path]
 
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     dtype = getattr(torch, args.dtype)
@@ -218,7 +288,7 @@ def main(argv=None):
     if args.shapes:
         shapes = {}
         for s in args.shapes.split(","):
-            shapes[s] = {**SHAPES, **SMOKE_SHAPES}.get(s) or tuple(int(x) for x in s.lower().split("x"))
+            shapes[s] = {**SHAPES, **MORE_SHAPES, **SMOKE_SHAPES}.get(s) or tuple(int(x) for x in s.lower().split("x"))
     else:
         shapes = table
     fh = open(args.out, "a") if args.out else None
@@ -241,7 +311,8 @@ def main(argv=None):
         if fh is not None:
             fh.close()
     print_table(records)
-    return 1 if any("error" in r for r in records if r["method"] != "gathered") else 0
+    # the peers (gathered: OOM at large shapes; verl: not installed) may fail; ours may not
+    return 1 if any("error" in r for r in records if r["method"].startswith(("rl_fused", "loss_op"))) else 0
 
 
 if __name__ == "__main__":
