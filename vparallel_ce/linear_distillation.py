@@ -140,13 +140,10 @@ class _Walk:
     def __init__(self, call: Call, target: torch.Tensor, target_given: bool):
         self.call, self.target, self.given = call, target, target_given
         self.rows = Rows(call, call.plan.chunks)
-        # without a target every real token counts: a mask gathered like the rows, 0 on padding
-        self.counts = target.new_ones(target.shape) if not target_given else None
-
-    def valid_local(self) -> torch.Tensor:
-        """This rank's own tokens that count."""
-        t = self.target
-        return t != self.call.spec.ignore_index if self.given else torch.ones_like(t, dtype=torch.bool)
+        # this rank's own tokens that count: without a target all of them (the stand-in target of
+        # zeros may well equal ignore_index)
+        self.valid_local = (target != call.spec.ignore_index if target_given
+                            else torch.ones_like(target, dtype=torch.bool))
 
     def chunk(self, c: int, h: torch.Tensor, th: torch.Tensor) -> _Chunk:
         call, rows = self.call, self.rows
@@ -154,8 +151,8 @@ class _Walk:
         lay = call.layout
         local_t, owned, valid = local_targets(t_c, lay.offset, lay.local_size, call.spec.ignore_index,
                                               all_owned=call.all_owned)
-        if not self.given:
-            valid = rows.gather(c, self.counts, fill=0) != 0
+        if not self.given:  # gathered as integers (gloo gathers no bools); padding rows get 0
+            valid = rows.gather(c, self.valid_local.to(t_c.dtype), fill=0) != 0
         return _Chunk(rows.gather(c, h), rows.gather(c, th), local_t, owned, valid)
 
     def logits(self, ch: _Chunk, weights: tuple, teacher: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,8 +177,8 @@ class _LinearDistillation(torch.autograd.Function):
             thm, twm, tbm = matmul_inputs(call, teacher.h, teacher.w, teacher.b)
             walk = _Walk(call, target, target_given)
             rows = walk.rows
-            valid_local = walk.valid_local()
-            n_valid = _valid_count(target, call, valid_local) if call.reduction == "mean" else None
+            # mean's divisor, before the first chunk: gradients made in forward weigh by it
+            n_valid = _valid_count(target, call, walk.valid_local) if call.reduction == "mean" else None
             grads = _grads(call, rows, h, w, b, wm, need) if in_forward else None
             per_token, stats = [], []
             for c in range(len(rows)):
@@ -201,8 +198,6 @@ class _LinearDistillation(torch.autograd.Function):
             elif any(need):
                 ctx.save_for_backward(h, w, b, target, teacher.h, teacher.w, teacher.b)
                 ctx.stats, ctx.n_valid, ctx.target_given = stats, n_valid, target_given
-            if n_valid is None and call.reduction == "mean":
-                n_valid = _valid_count(target, call, valid_local)
             loss = reduce(_cat(per_token), n_valid, call.reduction)
             call.settle()
             return loss

@@ -96,8 +96,9 @@ class ChunkPolicy:
     """The inputs of the chunk decision beyond the shapes and the call's own knobs.
 
     Attributes:
-        budget_bytes: bound on one chunk's fp32 logits (``tokens/chunk * V_loc * 4``); None = the
-            default (``DEFAULT_BUDGET_BYTES``, soft: the ``min_chunk_tokens`` floor applies).
+        budget_bytes: bound on one chunk's fp32 logits (``tokens/chunk * V_loc * 4``), or for the
+            distillation ops on one chunk's working set (:func:`distillation_chunk_bytes`); None =
+            the default (``DEFAULT_BUDGET_BYTES``, soft: the ``min_chunk_tokens`` floor applies).
         min_chunk_tokens: with the default budget, chunks are never made smaller than this.
         block_columns: the vocab schedule's preferred block width: its time is flat while blocks
             stay this wide, so it uses at least ``ceil(V_loc / block_columns)`` blocks.
@@ -389,11 +390,13 @@ class DistillShape:
     hidden_sizes: tuple[int, int] | None = None
 
 
-# fp32 [chunk, V_loc] arrays alive at once in the divergence's statistics or gradient pass
-# (vparallel_ce.divergence: both scaled logits, both shifted, both exponentials, the weighted
-# partial sum's operands; the gradient's log-probabilities, q, p and the result), counted on the
-# torch path's peak of each kind
-_DISTILL_TEMPORARIES = {"forward_kl": 8, "reverse_kl": 8, "jsd": 12}
+# The most fp32 [chunk, V_loc] arrays alive at once in vparallel_ce.divergence's statistics or
+# gradient pass, counted from its code (not measured): both scaled logits stay referenced while
+# they are shifted and exponentiated, and each masked partial sum (_weighted) holds its operands,
+# a zeros tensor, the product and the result. The KLs peak in the gradient (11: both scaled logits,
+# both log-softmaxes, q, p, their difference, the hard term and the weighting); the JSD in its
+# statistics' second pass (15: the mixture's log-probabilities besides both softmaxes).
+_DISTILL_TEMPORARIES = {"forward_kl": 11, "reverse_kl": 11, "jsd": 15}
 
 
 def distillation_chunk_bytes(tokens: int, vocab_size: int, tp_degree: int = 1, *, shape: DistillShape) -> int:
@@ -403,7 +406,7 @@ def distillation_chunk_bytes(tokens: int, vocab_size: int, tp_degree: int = 1, *
         distillation_loss:         tokens * 4 V * D
         linear_distillation_loss:  tokens * (4 V * (D + 2) + 4 (H_s + H_t))
 
-    ``D`` the divergence's fp32 temporaries (8 for the KLs, 12 for the JSD); the linear op adds the
+    ``D`` the divergence's fp32 temporaries (11 for the KLs, 15 for the JSD); the linear op adds the
     two models' logits chunks (counted at 4 bytes a logit, as the budget counts them) and the
     chunk's hidden rows of both models (gathered with sequence parallelism, cast under autocast).
     Not counted: the inputs, and the linear op's gradients (``dh``, and dW's fp32 accumulator,
