@@ -118,7 +118,8 @@ def compare(name: str, out, grads, ref, ref_grads, *, world: int, rank: int, row
     if not torch.equal(out.isnan(), ref.isnan()) or rel_err(out.nan_to_num(), ref.nan_to_num()) > tol:
         failures.append(f"{name}: loss {out.tolist()} vs reference {ref.tolist()}")
     dh, dw, db = ref_grads
-    mine = (dh.reshape(-1, dh.shape[-1])[rows], shard(dw, world, rank, 0), None if db is None else shard(db, world, rank))
+    mine = (dh.reshape(-1, dh.shape[-1])[rows], shard(dw, world, rank, 0),
+            None if db is None else shard(db, world, rank))
     for what, got, want, whole in zip(("hidden", "weight", "bias"), grads, mine, ref_grads):
         if want is None:
             continue
@@ -415,3 +416,22 @@ def test_the_chunk_policy_counts_both_models_working_set():
     assert logits_plan.chunks > policy.plan(n, v, tp).chunks
     assert policy.plan(n, v, tp, reduction="none", distillation=DistillShape("jsd", (8, 8))).grad_mode.value == \
         "recomputed in backward"
+
+
+def test_both_distillation_ops_plan_auto_chunks_by_the_distillation_model():
+    # what the front doors hand the autograd Functions: the distillation plan, not the CE's
+    from vparallel_ce.call import distillation_call, linear_distillation_call
+    from vparallel_ce.options import Options
+    from vparallel_ce.policy import ChunkPolicy, DistillShape
+
+    n, v = 64, 1000
+    policy = ChunkPolicy(budget_bytes=16 * v * 4)  # 16 tokens of fp32 CE logits: 4 chunks for the CE
+    options = Options(divergence="jsd", policy=policy)
+    s, t = torch.randn(n, v), torch.randn(n, v)
+    call, _, _ = distillation_call(s, t, None, group=None, options=options)
+    assert call.plan == policy.plan(n, v, distillation=DistillShape("jsd")), call.plan
+    assert call.plan.chunks > policy.plan(n, v).chunks == 4, call.plan
+    hs, ws, ht, wt = torch.randn(n, H_S), torch.randn(v, H_S), torch.randn(n, H_T), torch.randn(v, H_T)
+    call, _, _ = linear_distillation_call(hs, ws, ht, wt, None, None, None, group=None, options=options)
+    assert call.plan == policy.plan(n, v, distillation=DistillShape("jsd", (H_S, H_T))), call.plan
+    assert call.plan.chunks > 4, call.plan

@@ -31,8 +31,8 @@ from .stats import REDUCTIONS
 
 __all__ = [
     "Problem", "InvalidInputError", "DeferredTargetCheck", "check_options", "check_call_options", "check_logits",
-    "check_teacher", "check_linear", "check_linear_teacher", "agree", "Agreement", "Facts", "target_checksum", "word_checksum",
-    "hidden_checksum", "OPS", "SCHEDULES",
+    "check_teacher", "check_linear", "check_linear_teacher", "agree", "Agreement", "Facts", "target_checksum",
+    "word_checksum", "hidden_checksum", "OPS", "SCHEDULES",
 ]
 
 SCHEDULES = ("auto", "token", "vocab")
@@ -235,7 +235,8 @@ def _hard_term_target(target_given: bool, hard_weight: float) -> Problem | None:
     return None
 
 
-def check_linear(hidden, weight, target, bias, *, autocast_dtype: torch.dtype | None, prefix: str = "") -> Problem | None:
+def check_linear(hidden, weight, target, bias, *, autocast_dtype: torch.dtype | None,
+                 prefix: str = "") -> Problem | None:
     """``autocast_dtype``: the enclosing ``torch.autocast`` dtype (None outside autocast), under which
     hidden, weight and bias may differ in dtype, as ``F.linear``'s inputs may there. ``prefix``:
     before each argument's name in the messages (``"student_"``)."""
@@ -305,8 +306,9 @@ def check_linear_teacher(hidden: torch.Tensor, weight: torch.Tensor, teacher_hid
         return problem
     if autocast_dtype is None and teacher_weight.dtype != weight.dtype:
         return Problem(TypeError, f"dtypes differ (student_weight {weight.dtype}, teacher_weight "
-                                  f"{teacher_weight.dtype}): outside torch.autocast both models' inputs must share one "
-                                  "dtype; run the call inside torch.autocast or cast the teacher to the student's dtype")
+                                  f"{teacher_weight.dtype}): outside torch.autocast both models' inputs must share "
+                                  "one dtype; run the call inside torch.autocast or cast the teacher to the student's "
+                                  "dtype")
     if autocast_dtype is not None and (torch.float64 in (teacher_weight.dtype, weight.dtype)
                                        and teacher_weight.dtype != weight.dtype):
         return Problem(TypeError, f"dtypes differ (student_weight {weight.dtype}, teacher_weight "
@@ -597,7 +599,8 @@ def _check_facts(rows: list[list[int]], group, policy) -> None:
         per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
         hint = {
             "target_checksum": "every rank must pass the same target ids in the same order",
-            "hidden_checksum": "hidden must be replicated over the group (the same values on every rank); a "
+            "hidden_checksum": "hidden (and linear_distillation_loss's teacher_hidden) must be replicated over the "
+                               "group (the same values on every rank); a "
                                "token-sharded hidden needs sequence_parallel=True. Inside a "
                                "torch.distributed.pipelining schedule wrap the loss in "
                                "vparallel_ce.pipeline.PipelineLoss (its first step's shape inference passes "
