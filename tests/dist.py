@@ -17,6 +17,7 @@ Failure never hangs:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -152,3 +153,17 @@ def errors_of(calls: dict) -> dict:
             errors[name] = f"{type(exc).__name__}: {exc}"
         dist.barrier()
     return errors
+
+
+@contextlib.contextmanager
+def one_thread():
+    """In-process cases on tiny tensors: a thread pool's hand-offs cost far more than the math on
+    a busy 2-core machine (the spawned ranks run single-threaded already)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

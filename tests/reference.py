@@ -33,6 +33,35 @@ def reference_loss(logits: torch.Tensor, target: torch.Tensor, *, ignore_index=-
     return per.sum() / valid.sum() if reduction == "mean" else per.sum()
 
 
+def reference_distillation(s, t, target, *, kind, beta=0.5, temperature=1.0, hard_weight=0.0, ignore_index=-100,
+                           reduction="mean", dtype=torch.float64):
+    """The distillation loss on full (gathered) student ``s`` and teacher ``t`` logits, its
+    divergences written out with torch.log_softmax (differentiable), in float64; or in ``dtype``
+    (bf16: what a plain bf16 model computes)."""
+    s2, t2 = s.to(dtype).reshape(-1, s.shape[-1]), t.to(dtype).reshape(-1, t.shape[-1])
+    lp, lq = F.log_softmax(t2 / temperature, -1), F.log_softmax(s2 / temperature, -1)
+    p, q = lp.exp(), lq.exp()
+    if kind == "forward_kl":
+        d = (p * (lp - lq)).sum(-1)
+    elif kind == "reverse_kl":
+        d = (q * (lq - lp)).sum(-1)
+    else:
+        lm = torch.log(beta * p + (1 - beta) * q)
+        d = beta * (p * (lp - lm)).sum(-1) + (1 - beta) * (q * (lq - lm)).sum(-1)
+    per = d * temperature ** 2
+    if target is None:
+        valid = torch.ones_like(per, dtype=torch.bool)
+    else:
+        valid = target.reshape(-1) != ignore_index
+        if hard_weight:
+            per = per + hard_weight * F.cross_entropy(s2, target.reshape(-1), ignore_index=ignore_index,
+                                                      reduction="none")
+    per = torch.where(valid, per, torch.zeros_like(per))
+    if reduction == "none":
+        return per.reshape(s.shape[:-1])
+    return per.sum() / valid.sum() if reduction == "mean" else per.sum()
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor | None = None) -> float:
     """max |a - b| / max |b| (0 when both are zero). ``scale``: divide by max |scale| instead --
     the full (gathered) reference, so a small shard is judged on the scale of the whole gradient."""

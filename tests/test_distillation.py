@@ -4,49 +4,19 @@ on every rank."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import vparallel_ce
-from tests.dist import errors_of, run_ranks
-from tests.reference import TOL, rel_err, shard
+from tests.dist import errors_of, one_thread, run_ranks
+from tests.reference import TOL, reference_distillation as reference, rel_err, shard
 
 # (kind, beta): beta only matters for the JSD
 KINDS = [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.1), ("jsd", 0.5)]
 IGNORES = ("none ignored", "some ignored", "all ignored", "no target")
 N = 6
-
-
-def reference(s, t, target, *, kind, beta=0.5, temperature=1.0, hard_weight=0.0, ignore_index=-100,
-              reduction="mean", dtype=torch.float64):
-    """The loss on full (gathered) logits, written with torch.log_softmax (differentiable), in
-    float64; or in ``dtype`` (bf16: what a plain bf16 model computes)."""
-    s2, t2 = s.to(dtype).reshape(-1, s.shape[-1]), t.to(dtype).reshape(-1, t.shape[-1])
-    lp, lq = F.log_softmax(t2 / temperature, -1), F.log_softmax(s2 / temperature, -1)
-    p, q = lp.exp(), lq.exp()
-    if kind == "forward_kl":
-        d = (p * (lp - lq)).sum(-1)
-    elif kind == "reverse_kl":
-        d = (q * (lq - lp)).sum(-1)
-    else:
-        lm = torch.log(beta * p + (1 - beta) * q)
-        d = beta * (p * (lp - lm)).sum(-1) + (1 - beta) * (q * (lq - lm)).sum(-1)
-    per = d * temperature ** 2
-    if target is None:
-        valid = torch.ones_like(per, dtype=torch.bool)
-    else:
-        valid = target.reshape(-1) != ignore_index
-        if hard_weight:
-            per = per + hard_weight * F.cross_entropy(s2, target.reshape(-1), ignore_index=ignore_index,
-                                                      reduction="none")
-    per = torch.where(valid, per, torch.zeros_like(per))
-    if reduction == "none":
-        return per.reshape(s.shape[:-1])
-    return per.sum() / valid.sum() if reduction == "mean" else per.sum()
 
 
 def grid():
@@ -119,18 +89,6 @@ def grid_rank(rank, world, vocab):
         if world == 1 or (i + world) % len(IGNORES) == 0:
             failures += check_case(rank, world, group, i, vocab, opts, ignore)
     return failures
-
-
-@contextlib.contextmanager
-def one_thread():
-    """In-process cases on tiny tensors: a thread pool's hand-offs cost far more than the math on
-    a busy 2-core machine (the spawned ranks run single-threaded already)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _assert_clean(results):

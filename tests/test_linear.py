@@ -500,6 +500,8 @@ def _deferred_cases(h, w, b=None):
         "linear_token_logprobs": lambda t: vparallel_ce.linear_token_logprobs(h, w, t, with_entropy=True),
         "distillation_loss": lambda t: (vparallel_ce.distillation_loss(h @ w.T, (h @ w.T).detach().flip(-1), t,
                                                                        hard_weight=0.5),),
+        "linear_distillation_loss": lambda t: (vparallel_ce.linear_distillation_loss(
+            h, w, h.detach().flip(-1), w.detach().flip(0), t, hard_weight=0.5),),
     }
 
 

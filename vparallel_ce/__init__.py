@@ -9,6 +9,8 @@ Public API:
   from sharded logits or hidden states, with gradients;
 * :func:`distillation_loss` -- forward/reverse KL or JSD between a student's and a teacher's
   vocab-sharded logits (plus an optional hard cross-entropy term), with the student's gradient;
+* :func:`linear_distillation_loss` -- the same from both models' hidden states and lm_head shards,
+  no logits beyond one token chunk;
 * :func:`count_valid_tokens` -- the valid tokens of a step over its data-parallel ranks, the
   ``num_valid_tokens`` of the ops for exact gradient accumulation;
 * :func:`build_loss_fn` and the ``nn.Module`` wrappers -- string-configurable losses;
@@ -20,6 +22,7 @@ Public API:
 from .cross_entropy import cross_entropy
 from .distillation import distillation_loss
 from .linear import linear_cross_entropy
+from .linear_distillation import linear_distillation_loss
 from .logprobs import linear_token_logprobs, token_logprobs
 from .pipeline import count_valid_tokens
 from .policy import ChunkPolicy, choose_chunks
@@ -31,6 +34,7 @@ from . import megatron, pipeline, policy  # noqa: E402  (submodules of the publi
 __all__ = [
     "cross_entropy",
     "distillation_loss",
+    "linear_distillation_loss",
     "linear_cross_entropy",
     "token_logprobs",
     "linear_token_logprobs",

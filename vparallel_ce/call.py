@@ -22,22 +22,24 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from . import comm, kernels, policy as _policy
+from .divergence import Divergence
 from .layout import VocabLayout
-from .policy import Plan
+from .policy import DistillShape, Plan
 from .stats import LossSpec
 from .options import Options
 from .validate import (
-    DeferredTargetCheck, Facts, agree, check_call_options, check_linear, check_logits, check_teacher,
-    hidden_checksum, replication_checked,
+    DeferredTargetCheck, Facts, agree, check_call_options, check_linear, check_linear_teacher, check_logits,
+    check_teacher, hidden_checksum, replication_checked,
 )
 
-__all__ = ["Call", "LogitsInputs", "LinearInputs", "logits_call", "distillation_call", "linear_call", "autocast_dtype",
-           "autocast_off", "is_dtensor", "local", "settles_check"]
+__all__ = ["Call", "LogitsInputs", "LinearInputs", "TeacherInputs", "logits_call", "distillation_call", "linear_call",
+           "linear_distillation_call", "autocast_dtype", "autocast_off", "is_dtensor", "local", "settles_check"]
 
 
 @dataclass(frozen=True)
@@ -120,12 +122,22 @@ class LinearInputs:
     shape: torch.Size
 
 
+@dataclass(frozen=True)
+class TeacherInputs:
+    """The teacher's side of ``linear_distillation_loss``, local and flat (no gradient flows into it)."""
+
+    h: torch.Tensor  # [N, H_t]
+    w: torch.Tensor  # [V_local, H_t]
+    b: torch.Tensor | None  # [V_local]
+
+
 def logits_call(logits, target, *, op: str, group, options: Options, more_checks=None,
-                target_given: bool = True) -> tuple[Call, LogitsInputs]:
+                target_given: bool = True, distillation: DistillShape | None = None) -> tuple[Call, LogitsInputs]:
     """The front door of ops over vocab-sharded logits ``[..., V_local]``. ``op``: the op's name
     (:data:`~vparallel_ce.validate.OPS`); ``options``: what the op was given; ``more_checks``: the
     op's own checks of its other inputs, given the local logits (a Problem or None);
-    ``target_given``: False where ``target`` is a stand-in (:func:`distillation_call`)."""
+    ``target_given``: False where ``target`` is a stand-in (:func:`distillation_call`);
+    ``distillation``: the distillation memory model's shape for the plan (None: the CE's)."""
     o = options
     logits, target, group, vocab_size = _unwrap_logits(logits, target, group, o.vocab_size)
     group = comm.resolve_group(group)
@@ -139,7 +151,7 @@ def logits_call(logits, target, *, op: str, group, options: Options, more_checks
                    options=o, vocab_size=vocab_size, target=target)
     lay, n = agreed.layout, target.numel()
     plan = (o.policy or _policy.DEFAULT_POLICY).plan(n, lay.vocab_size, lay.world, reduction=o.reduction,
-                                                      chunks=o.chunks)
+                                                      chunks=o.chunks, distillation=distillation)
     call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, counts=(n,), divisor=_divisor(o, logits.device),
                 pending=agreed.pending)
     return call, LogitsInputs(_rows(logits, n, lay.local_size), _flat(target), target.shape)
@@ -153,30 +165,34 @@ def distillation_call(student, teacher, target, *, group, options: Options
     checks and exchanges a stand-in of zeros (every token counts; ``target_given`` is one of the
     agreed facts)."""
     given = target is not None
-    if not given:
-        base = local(student)
-        target = (torch.zeros(base.shape[:-1], dtype=torch.int64, device=base.device)
-                  if isinstance(base, torch.Tensor) and base.dim() >= 1 else None)
+    target = target if given else _stand_in_target(student)
     teacher = local(teacher)
 
     def more_checks(logits):
         return check_teacher(logits, teacher, target_given=given, hard_weight=options.hard_weight)
 
     call, inp = logits_call(student, target, op="distillation_loss", group=group, options=options,
-                            more_checks=more_checks, target_given=given)
+                            more_checks=more_checks, target_given=given, distillation=_distill_shape(options))
     return call, inp, _rows(teacher, inp.target.numel(), call.layout.local_size)
 
 
-def linear_call(hidden, weight, target, bias, *, op: str, group, options: Options) -> tuple[Call, LinearInputs]:
+def linear_call(hidden, weight, target, bias, *, op: str, group, options: Options, more_checks=None,
+                target_given: bool = True, also_replicated=(), prefix: str = "",
+                distillation: Callable[[torch.Tensor], DistillShape] | None = None) -> tuple[Call, LinearInputs]:
     """The front door of ops over hidden states and this rank's lm_head shard ``[V_local, H]``
-    (arguments as in :func:`logits_call`)."""
+    (arguments as in :func:`logits_call`; ``more_checks`` is given the local hidden, weight and the
+    enclosing autocast dtype). ``also_replicated``: more local ``[..., H']`` tensors that must be
+    replicated like ``hidden`` (their checksums ride on the same fact); ``prefix``: before the
+    argument names in messages; ``distillation``: the distillation memory model's shape for the
+    plan, made from the checked local weight (None: the CE's plan)."""
     o = options
     hidden, weight, target, bias, group, dt_vocab = _unwrap_linear(hidden, weight, target, bias, group,
                                                                    o.sequence_parallel)
     vocab_size = o.vocab_size if dt_vocab is None else dt_vocab
     group = comm.resolve_group(group)
     amp = autocast_dtype(weight.device) if isinstance(weight, torch.Tensor) else None
-    problem = check_call_options(o) or check_linear(hidden, weight, target, bias, autocast_dtype=amp)
+    problem = (check_call_options(o) or check_linear(hidden, weight, target, bias, autocast_dtype=amp, prefix=prefix)
+               or (more_checks and more_checks(hidden, weight, amp)))
     sp = o.sequence_parallel is True
     matmul = _matmul_dtype(weight, amp) if problem is None else None
     chosen = kernels.settings()
@@ -186,10 +202,12 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
     def facts(target_checksum):  # made only for a group's exchange
         # replicated hidden states are checked to be so (with sequence parallelism each rank holds
         # its own tokens): a sum over [N, H] that rides on the exchange
-        replicated = (hidden_checksum(hidden) if o.check and o.check_replicated and not sp and replication_checked()
-                      else 0)
+        replicated = 0
+        if o.check and o.check_replicated and not sp and replication_checked():
+            # int64 sums wrap: the sum of the checksums is as exact a fact as each
+            replicated = sum((hidden_checksum(x) for x in also_replicated), hidden_checksum(hidden))
         return Facts.of(op=op, options=o, inputs=(hidden, weight, bias), target=target, target_checksum=target_checksum,
-                        hidden_checksum=replicated, fused=fused, matmul_dtype=matmul)
+                        hidden_checksum=replicated, fused=fused, matmul_dtype=matmul, target_given=target_given)
 
     agreed = agree(problem, group, local_size=lambda: weight.shape[0], facts=facts, device=_device(weight),
                    options=o, vocab_size=vocab_size, target=target)
@@ -204,7 +222,8 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
         counts = tuple(row[0] for row in comm.all_gather_ints([n], lay.group, weight.device))
     plan = (o.policy or _policy.DEFAULT_POLICY).plan(
         sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1], reduction=o.reduction, chunks=o.chunks,
-        schedule=o.schedule, recompute=o.recompute, fused=fused, logits_dtype=logits)
+        schedule=o.schedule, recompute=o.recompute, fused=fused, logits_dtype=logits,
+        distillation=None if distillation is None else distillation(weight))
     call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, sp, counts, matmul, logits, chosen,
                 _divisor(o, weight.device), pending)
     inputs = LinearInputs(_rows(hidden, n, weight.shape[-1]), weight, bias, _flat(target), target.shape)
@@ -224,6 +243,48 @@ def settles_check(backward):
         return grads
 
     return run
+
+
+def linear_distillation_call(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
+                             teacher_bias, *, group, options: Options
+                             ) -> tuple[Call, LinearInputs, TeacherInputs]:
+    """The front door of :func:`vparallel_ce.linear_distillation_loss`: :func:`linear_call` on the
+    student's side, with the teacher's checked against it (the same tokens and vocab shard, the
+    same device, the student's dtype outside autocast; a replicated teacher hidden is checked to be
+    replicated too), and the teacher's local ``[N, H_t]`` rows, lm_head shard and bias besides.
+    Without a target the call exchanges a stand-in of zeros, as :func:`distillation_call`. The
+    teacher's DTensors unwrap as the student's (its group is the student's)."""
+    given = target is not None
+    target = target if given else _stand_in_target(student_hidden)
+    t_hidden, t_weight, _, t_bias, _, _ = _unwrap_linear(teacher_hidden, teacher_weight, None, teacher_bias, None,
+                                                         options.sequence_parallel)
+
+    def more_checks(hidden, weight, amp):
+        return check_linear_teacher(hidden, weight, t_hidden, t_weight, t_bias, autocast_dtype=amp, target_given=given,
+                                    hard_weight=options.hard_weight)
+
+    call, inp = linear_call(student_hidden, student_weight, target, student_bias, op="linear_distillation_loss",
+                            group=group, options=options, more_checks=more_checks, target_given=given,
+                            also_replicated=(t_hidden,), prefix="student_",
+                            distillation=lambda weight: _distill_shape(options, (weight.shape[-1], t_weight.shape[-1])))
+    return call, inp, TeacherInputs(_rows(t_hidden, inp.target.numel(), t_weight.shape[-1]), t_weight, t_bias)
+
+
+def _stand_in_target(student):
+    """The target a distillation without one exchanges and checks: zeros of the student's token
+    dims (every token counts; ``target_given`` is one of the agreed facts). None where the input
+    is no tensor (its check reports that)."""
+    base = local(student)
+    if not isinstance(base, torch.Tensor) or base.dim() < 1:
+        return None
+    return torch.zeros(base.shape[:-1], dtype=torch.int64, device=base.device)
+
+
+def _distill_shape(o: Options, hidden_sizes: tuple[int, int] | None = None) -> DistillShape | None:
+    """The distillation memory model's shape of a call (None for a bad divergence: its check
+    reports it before any plan is made)."""
+    kind = o.divergence.value if isinstance(o.divergence, Divergence) else o.divergence
+    return DistillShape(kind, hidden_sizes) if kind in Divergence._value2member_map_ else None
 
 
 def _divisor(o: Options, device: torch.device) -> torch.Tensor | None:

@@ -52,7 +52,8 @@ from .stats import (
 )
 
 __all__ = ["linear_cross_entropy", "Schedule", "Rows", "ChunkTargets", "Grads", "Backward", "KeptLogits",
-           "ChunkSaved", "Saved", "logits", "matmul_operand", "matmul_inputs", "grads_from_unit_dx"]
+           "ChunkSaved", "Saved", "logits", "matmul_operand", "matmul_inputs", "grads_from_unit_dx",
+           "scale_unit_grads"]
 
 
 def linear_cross_entropy(
@@ -576,8 +577,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         saved: Saved = ctx.saved
         call = saved.call
         if saved.mode is Backward.SCALE:  # made in forward for grad_out == 1: scale by the scalar
-            grads = tuple(None if g is None else g * grad_out.to(g.dtype) for g in ctx.saved_tensors)
-            return grads + (None, None)
+            return scale_unit_grads(ctx.saved_tensors, grad_out) + (None, None)
         h, w, b, t = ctx.saved_tensors
         with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
@@ -599,6 +599,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, chunk.shift,
                                 scale_coefs(chunk.coefs_for(call), g), kept_chunks[c] if kept_chunks else [], grads)
             return grads.finish(rows) + (None, None)
+
+
+def scale_unit_grads(grads, grad_out: torch.Tensor) -> tuple:
+    """Gradients made in forward for an upstream gradient of 1, times the scalar ``grad_out`` (each
+    in its own dtype; None stays None)."""
+    return tuple(None if g is None else g * grad_out.to(g.dtype) for g in grads)
 
 
 def grads_from_unit_dx(ops, dx, h, w, b, hm, wm, g, need) -> tuple:

@@ -29,6 +29,11 @@ Memory model (bytes, per rank, ``V_loc = ceil(V / tp)``; the whole peak of a pla
   once per microbatch in flight: GPipe holds every microbatch's forward before any backward, 1F1B
   about one. Under GPipe the policy therefore prefers recompute-in-backward.
 
+The distillation ops (``distillation_loss``, ``linear_distillation_loss``) have their own model of
+one token chunk's working set, :func:`distillation_chunk_bytes` (the divergence's fp32
+``[chunk, V_loc]`` temporaries, and for the linear op both models' logits chunks and hidden rows):
+the budget bounds that whole working set, not only one logits chunk.
+
 Speed model: every chunk costs two small all-reduces and a few kernel launches, and chunks below
 ``min_chunk_tokens`` rows make the lm_head matmuls inefficient; so with the default budget the count
 is capped at ``ceil(tokens / min_chunk_tokens)``. ``docs/policy.md`` has the measurements behind the
@@ -46,7 +51,8 @@ import torch
 
 from .layout import aligned_parts, vocab_blocks
 
-__all__ = ["ChunkPolicy", "GradMode", "Plan", "choose_chunks", "choose_plan", "explain", "peak_bytes", "DEFAULT_POLICY"]
+__all__ = ["ChunkPolicy", "GradMode", "Plan", "DistillShape", "choose_chunks", "choose_plan", "explain", "peak_bytes",
+           "distillation_chunk_bytes", "DEFAULT_POLICY"]
 
 GiB = 1024**3
 
@@ -90,8 +96,9 @@ class ChunkPolicy:
     """The inputs of the chunk decision beyond the shapes and the call's own knobs.
 
     Attributes:
-        budget_bytes: bound on one chunk's fp32 logits (``tokens/chunk * V_loc * 4``); None = the
-            default (``DEFAULT_BUDGET_BYTES``, soft: the ``min_chunk_tokens`` floor applies).
+        budget_bytes: bound on one chunk's fp32 logits (``tokens/chunk * V_loc * 4``), or for the
+            distillation ops on one chunk's working set (:func:`distillation_chunk_bytes`); None =
+            the default (``DEFAULT_BUDGET_BYTES``, soft: the ``min_chunk_tokens`` floor applies).
         min_chunk_tokens: with the default budget, chunks are never made smaller than this.
         block_columns: the vocab schedule's preferred block width: its time is flat while blocks
             stay this wide, so it uses at least ``ceil(V_loc / block_columns)`` blocks.
@@ -134,10 +141,12 @@ class ChunkPolicy:
 
     def chunks(self, num_tokens: int, vocab_size: int, tp_degree: int = 1) -> int:
         """Token chunks for ``num_tokens`` tokens of one microbatch on this rank."""
-        if num_tokens <= 0:
-            return 1
-        row = local_vocab(vocab_size, tp_degree) * 4
-        if row == 0:
+        return self._chunks_of_rows(num_tokens, local_vocab(vocab_size, tp_degree) * 4)
+
+    def _chunks_of_rows(self, num_tokens: int, row: int) -> int:
+        """The fewest token chunks whose ``row`` bytes per token fit the budget (capped by
+        ``min_chunk_tokens`` under the default budget)."""
+        if num_tokens <= 0 or row == 0:
             return 1
         if self.budget < row:  # not even one token's row fits: one token per chunk
             return num_tokens
@@ -148,7 +157,8 @@ class ChunkPolicy:
 
     def plan(self, num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,
              reduction: str = "mean", chunks: int | str = "auto", schedule: str = "auto",
-             recompute: bool | None = None, fused: bool = False, logits_dtype: torch.dtype | None = None) -> Plan:
+             recompute: bool | None = None, fused: bool = False, logits_dtype: torch.dtype | None = None,
+             distillation: "DistillShape | None" = None) -> Plan:
         """The plan of one call. ``hidden_size=None`` plans ``cross_entropy`` (logits given: token
         chunks, gradients in backward); otherwise ``linear_cross_entropy`` with the call's
         ``chunks``, ``schedule`` and ``recompute`` (precedence in the module docstring). ``fused``:
@@ -156,12 +166,14 @@ class ChunkPolicy:
         (:func:`vparallel_ce.kernels.fused_applies`: bf16/fp16 on a GPU with Triton).
         ``logits_dtype``: the logits' dtype where wider than the matmul dtype
         (:attr:`vparallel_ce.call.Call.logits_dtype`), for the memory target's model (:func:`peak_bytes`).
+        ``distillation``: plans a distillation op instead (:meth:`_distill_plan`; ``hidden_size``,
+        ``schedule``, ``recompute``, ``fused`` and ``logits_dtype`` are then not read).
 
         Memoised: the plan is a pure function of these arguments, and every call asks for it on
         the host path before its first GEMM (a plain dict, which ``torch.compile`` traces
         without warnings, unlike ``functools`` caches)."""
         key = (self, num_tokens, vocab_size, tp_degree, hidden_size, reduction, chunks, schedule, recompute, fused,
-               logits_dtype)
+               logits_dtype, distillation)
         try:
             found = _PLANS.get(key)
         except TypeError:  # an unhashable argument: plan it uncached (its check will name it)
@@ -170,9 +182,13 @@ class ChunkPolicy:
             problem = self.problem()
             if problem is not None:
                 raise ValueError(problem)
-            found = self._plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, reduction=reduction,
-                               chunks=chunks, schedule=schedule, recompute=recompute, fused=fused,
-                               logits_dtype=logits_dtype)
+            if distillation is not None:
+                found = self._distill_plan(num_tokens, vocab_size, tp_degree, distillation, reduction=reduction,
+                                           chunks=chunks)
+            else:
+                found = self._plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, reduction=reduction,
+                                   chunks=chunks, schedule=schedule, recompute=recompute, fused=fused,
+                                   logits_dtype=logits_dtype)
             if key is not None:
                 if len(_PLANS) >= 1024:
                     _PLANS.clear()
@@ -272,6 +288,35 @@ class ChunkPolicy:
         mode = GradMode.IN_FORWARD if gif else GradMode.FROM_KEPT_LOGITS if keep else GradMode.RECOMPUTE
         return Plan(schedule, k, mode, tuple(why))
 
+    def _distill_plan(self, num_tokens: int, vocab_size: int, tp_degree: int, shape: "DistillShape", *,
+                      reduction: str, chunks: int | str) -> Plan:
+        """Token chunks sized by :func:`distillation_chunk_bytes` against the budget. The logits op
+        makes its gradient in backward from the given logits; the linear op makes the student's
+        gradients in forward for mean/sum with one microbatch in flight (4 matmuls: both lm_heads'
+        logits, dh, dW), else recomputes both models' logits chunk by chunk in backward (6)."""
+        if chunks == "auto":
+            per_token = distillation_chunk_bytes(1, vocab_size, tp_degree, shape=shape)
+            k = self._chunks_of_rows(num_tokens, per_token)
+            why = [_distill_reason(self, num_tokens, vocab_size, tp_degree, shape, k)]
+        else:
+            k = _token_chunks(chunks, num_tokens)
+            why = [f"chunks={chunks} as given"]
+        k = _token_chunks(k, num_tokens)
+        if shape.hidden_sizes is None:
+            why.append("the student's gradient is made in backward from the given logits")
+            return Plan("token", k, GradMode.RECOMPUTE, tuple(why))
+        if reduction == "none":
+            why.append("reduction='none': the upstream gradient is known only in backward, so both models' logits "
+                       "are recomputed there")
+            return Plan("token", k, GradMode.RECOMPUTE, tuple(why))
+        if self.microbatches_in_flight > 1:
+            why.append(f"{self.microbatches_in_flight} microbatches in flight would each hold dW from forward to "
+                       "backward, so recompute")
+            return Plan("token", k, GradMode.RECOMPUTE, tuple(why))
+        why.append("the student's gradients made in forward for an upstream gradient of 1 (4 matmuls; dW summed "
+                   "over the chunks in fp32), scaled in backward")
+        return Plan("token", k, GradMode.IN_FORWARD, tuple(why))
+
     def _fit_memory(self, num_tokens: int, vocab_size: int, tp_degree: int, hidden_size: int,
                     logits_dtype: torch.dtype | None):
         """``(schedule, count, reason)`` for :attr:`memory_bytes`: one token chunk (3 matmuls) if
@@ -329,6 +374,68 @@ def _budget_reason(policy: ChunkPolicy, num_tokens: int, v_loc: int, k: int) -> 
     return text
 
 
+@dataclass(frozen=True)
+class DistillShape:
+    """What the distillation memory model (:func:`distillation_chunk_bytes`) needs of a call
+    besides its token and vocab counts.
+
+    Attributes:
+        divergence: ``"forward_kl"``, ``"reverse_kl"`` or ``"jsd"`` (the JSD holds the mixture's
+            log-probabilities besides both softmaxes: more temporaries).
+        hidden_sizes: ``(H_s, H_t)``, the student's and the teacher's hidden sizes, for
+            ``linear_distillation_loss``; None for ``distillation_loss`` (logits given).
+    """
+
+    divergence: str = "forward_kl"
+    hidden_sizes: tuple[int, int] | None = None
+
+
+# The most fp32 [chunk, V_loc] arrays alive at once in vparallel_ce.divergence's statistics or
+# gradient pass, counted from its code (not measured): both scaled logits stay referenced while
+# they are shifted and exponentiated, and each masked partial sum (_weighted) holds its operands,
+# a zeros tensor, the product and the result. The KLs peak in the gradient (11: both scaled logits,
+# both log-softmaxes, q, p, their difference, the hard term and the weighting); the JSD in its
+# statistics' second pass (15: the mixture's log-probabilities besides both softmaxes).
+_DISTILL_TEMPORARIES = {"forward_kl": 11, "reverse_kl": 11, "jsd": 15}
+
+
+def distillation_chunk_bytes(tokens: int, vocab_size: int, tp_degree: int = 1, *, shape: DistillShape) -> int:
+    """The working set of one token chunk of ``tokens`` rows of a distillation op on one rank, in
+    bytes, ``V = ceil(vocab_size / tp_degree)``::
+
+        distillation_loss:         tokens * 4 V * D
+        linear_distillation_loss:  tokens * (4 V * (D + 2) + 4 (H_s + H_t))
+
+    ``D`` the divergence's fp32 temporaries (11 for the KLs, 15 for the JSD); the linear op adds the
+    two models' logits chunks (counted at 4 bytes a logit, as the budget counts them) and the
+    chunk's hidden rows of both models (gathered with sequence parallelism, cast under autocast).
+    Not counted: the inputs, and the linear op's gradients (``dh``, and dW's fp32 accumulator,
+    ``4 V H_s``, alive over the whole call)."""
+    v = local_vocab(vocab_size, tp_degree)
+    arrays = _DISTILL_TEMPORARIES[str(shape.divergence)]
+    if shape.hidden_sizes is None:
+        return tokens * 4 * v * arrays
+    h_s, h_t = shape.hidden_sizes
+    return tokens * (4 * v * (arrays + 2) + 4 * (h_s + h_t))
+
+
+def _distill_reason(policy: ChunkPolicy, num_tokens: int, vocab_size: int, tp_degree: int, shape: DistillShape,
+                    k: int) -> str:
+    whole = distillation_chunk_bytes(num_tokens, vocab_size, tp_degree, shape=shape)
+    parts = "fp32 temporaries" + (", both models' logits and hidden rows" if shape.hidden_sizes else "")
+    text = (f"{num_tokens} tokens make a {whole / GiB:.2f} GiB distillation working set "
+            f"(distillation_chunk_bytes: {shape.divergence}'s {parts}) against a "
+            f"{'default ' if policy.budget_bytes is None else ''}budget of {policy.budget / GiB:.2f} GiB: ")
+    if k == 1:
+        return text + "it fits in one chunk"
+    per = math.ceil(num_tokens / k)
+    text += (f"{k} chunks of <= {per} tokens "
+             f"({distillation_chunk_bytes(per, vocab_size, tp_degree, shape=shape) / GiB:.2f} GiB each)")
+    if policy.budget_bytes is None and k == math.ceil(num_tokens / policy.min_chunk_tokens):
+        text += f", capped so no chunk is smaller than {policy.min_chunk_tokens} tokens"
+    return text
+
+
 def local_vocab(vocab_size: int, tp_degree: int) -> int:
     return math.ceil(vocab_size / max(1, tp_degree))
 
@@ -381,11 +488,13 @@ def choose_chunks(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, dtype
 def choose_plan(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,
                 reduction: str = "mean", policy: ChunkPolicy | None = None, chunks: int | str = "auto",
                 schedule: str = "auto", recompute: bool | None = None, fused: bool = False,
-                logits_dtype: torch.dtype | None = None) -> Plan:
-    """The :class:`Plan` a call with these arguments runs (``hidden_size=None``: ``cross_entropy``)."""
+                logits_dtype: torch.dtype | None = None, distillation: DistillShape | None = None) -> Plan:
+    """The :class:`Plan` a call with these arguments runs (``hidden_size=None``: ``cross_entropy``;
+    ``distillation``: a distillation op)."""
     return (policy or DEFAULT_POLICY).plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size,
                                            reduction=reduction, chunks=chunks, schedule=schedule,
-                                           recompute=recompute, fused=fused, logits_dtype=logits_dtype)
+                                           recompute=recompute, fused=fused, logits_dtype=logits_dtype,
+                                           distillation=distillation)
 
 
 def peak_bytes(plan: Plan, num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int,
@@ -432,15 +541,21 @@ def peak_bytes(plan: Plan, num_tokens: int, vocab_size: int, tp_degree: int = 1,
 def explain(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,
             reduction: str = "mean", policy: ChunkPolicy | None = None, chunks: int | str = "auto",
             schedule: str = "auto", recompute: bool | None = None, fused: bool = False,
-            dtype: torch.dtype = torch.bfloat16, logits_dtype: torch.dtype | None = None) -> str:
+            dtype: torch.dtype = torch.bfloat16, logits_dtype: torch.dtype | None = None,
+            distillation: DistillShape | None = None) -> str:
     """One paragraph: the plan a call with these arguments runs, why, and (``linear_cross_entropy``)
     its peak memory by :func:`peak_bytes` for ``dtype`` operands. The arguments are the call's own
     (``num_tokens`` over the whole group with sequence parallelism); ``hidden_size=None`` explains
     ``cross_entropy``, a hidden size ``linear_cross_entropy``. ``fused``: whether the call runs the
     fused GEMM kernels -- ``vparallel_ce.kernels.fused_applies(weight.device, dtype)``, True for
     bf16/fp16 on a GPU with Triton. ``logits_dtype``: the call's (``torch.float32`` for fp32 logits of
-    ``dtype`` operands)."""
+    ``dtype`` operands). ``distillation``: explains ``distillation_loss`` (``hidden_sizes=None``) or
+    ``linear_distillation_loss`` instead, with one chunk's working set by
+    :func:`distillation_chunk_bytes`."""
     policy = policy or DEFAULT_POLICY
+    if distillation is not None:
+        return _explain_distillation(num_tokens, vocab_size, tp_degree, distillation, policy=policy,
+                                     reduction=reduction, chunks=chunks)
     wide = logits_dtype if logits_dtype is not None and logits_dtype.itemsize > dtype.itemsize else None
     p = policy.plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, reduction=reduction,
                     chunks=chunks, schedule=schedule, recompute=recompute, fused=fused, logits_dtype=wide)
@@ -456,6 +571,22 @@ def explain(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size
     return (f"{op} (V={vocab_size} over tp={tp_degree}, {policy.microbatches_in_flight} microbatch(es) in flight): "
             f"{p.schedule} schedule, {p.chunks} {unit}{'s' if p.chunks != 1 else ''}, gradients {grads}{matmuls}. "
             f"Why: {'; '.join(p.why)}.{memory}")
+
+
+def _explain_distillation(num_tokens: int, vocab_size: int, tp_degree: int, shape: DistillShape, *,
+                          policy: ChunkPolicy, reduction: str, chunks: int | str) -> str:
+    p = policy.plan(num_tokens, vocab_size, tp_degree, reduction=reduction, chunks=chunks, distillation=shape)
+    linear = shape.hidden_sizes is not None
+    op = "linear_distillation_loss" if linear else "distillation_loss"
+    matmuls = ""
+    if linear:  # the teacher's and the student's logits, then dh and dW; recomputing adds both logits again
+        matmuls = f", {4 if p.grad_in_forward else 6} matmuls of 2*N*H*V_loc FLOPs"
+    per = math.ceil(max(num_tokens, 1) / p.chunks)
+    work = distillation_chunk_bytes(per, vocab_size, tp_degree, shape=shape)
+    return (f"{op} ({shape.divergence}, V={vocab_size} over tp={tp_degree}, {policy.microbatches_in_flight} "
+            f"microbatch(es) in flight): {p.chunks} token chunk{'s' if p.chunks != 1 else ''}, gradients "
+            f"{p.grad_mode.value if linear else 'in backward'}{matmuls}. Why: {'; '.join(p.why)}. One chunk's "
+            f"working set: {work / GiB:.2f} GiB (policy.distillation_chunk_bytes).")
 
 
 def _matmuls(p: Plan) -> int:

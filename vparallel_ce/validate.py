@@ -31,8 +31,8 @@ from .stats import REDUCTIONS
 
 __all__ = [
     "Problem", "InvalidInputError", "DeferredTargetCheck", "check_options", "check_call_options", "check_logits",
-    "check_teacher", "check_linear", "agree", "Agreement", "Facts", "target_checksum", "word_checksum",
-    "hidden_checksum", "OPS", "SCHEDULES",
+    "check_teacher", "check_linear", "check_linear_teacher", "agree", "Agreement", "Facts", "target_checksum",
+    "word_checksum", "hidden_checksum", "OPS", "SCHEDULES",
 ]
 
 SCHEDULES = ("auto", "token", "vocab")
@@ -250,45 +250,97 @@ def check_teacher(student: torch.Tensor, teacher, *, target_given: bool, hard_we
                                           "[..., V] logits")
     if teacher.device != student.device:
         return Problem(ValueError, f"teacher_logits is on {teacher.device} but student_logits on {student.device}")
+    return _hard_term_target(target_given, hard_weight)
+
+
+def _hard_term_target(target_given: bool, hard_weight: float) -> Problem | None:
+    """The distillation's hard term (``hard_weight > 0``, a checked option by now) needs a target."""
     if not target_given and float(hard_weight) > 0:
         return Problem(ValueError, f"hard_weight={hard_weight} mixes in the student's cross-entropy, which needs a "
                                    "target; pass target, or hard_weight=0.0")
     return None
 
 
-def check_linear(hidden, weight, target, bias, *, autocast_dtype: torch.dtype | None) -> Problem | None:
+def check_linear(hidden, weight, target, bias, *, autocast_dtype: torch.dtype | None,
+                 prefix: str = "") -> Problem | None:
     """``autocast_dtype``: the enclosing ``torch.autocast`` dtype (None outside autocast), under which
-    hidden, weight and bias may differ in dtype, as ``F.linear``'s inputs may there."""
-    problem = _check_float("hidden", hidden) or _check_float("weight", weight)
+    hidden, weight and bias may differ in dtype, as ``F.linear``'s inputs may there. ``prefix``:
+    before each argument's name in the messages (``"student_"``)."""
+    hn = f"{prefix}hidden"
+    return (_check_lm_head(hidden, weight, bias, autocast_dtype=autocast_dtype, prefix=prefix)
+            or _check_target(target, hidden.shape[:-1], f"{hn}'s token dims ({hn}.shape[:-1])", hidden.device))
+
+
+def _check_lm_head(hidden, weight, bias, *, autocast_dtype: torch.dtype | None, prefix: str) -> Problem | None:
+    """Hidden states ``[..., H]`` against an lm_head shard ``[V_local, H]`` and its bias."""
+    hn, wn, bn = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
+    problem = _check_float(hn, hidden) or _check_float(wn, weight)
     if problem is not None:
         return problem
     if weight.dim() != 2:
-        return Problem(ValueError, f"weight must be [V_local, H], got shape {tuple(weight.shape)}")
+        return Problem(ValueError, f"{wn} must be [V_local, H], got shape {tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         return Problem(
             ValueError,
-            f"hidden's last dim ({hidden.shape[-1] if hidden.dim() else None}) does not match "
-            f"weight's hidden size ({weight.shape[1]}); weight must be [V_local, H]",
+            f"{hn}'s last dim ({hidden.shape[-1] if hidden.dim() else None}) does not match "
+            f"{wn}'s hidden size ({weight.shape[1]}); {wn} must be [V_local, H]",
         )
     if hidden.device != weight.device:
-        return Problem(ValueError, f"hidden is on {hidden.device} but weight is on {weight.device}")
+        return Problem(ValueError, f"{hn} is on {hidden.device} but {wn} is on {weight.device}")
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],):
             shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
-            return Problem(ValueError, f"bias must be [V_local]=[{weight.shape[0]}], got {shape}")
+            return Problem(ValueError, f"{bn} must be [V_local]=[{weight.shape[0]}], got {shape}")
         if bias.device != weight.device or not bias.is_floating_point():
-            return Problem(TypeError, f"bias must be a float tensor on weight's device ({weight.device})")
+            return Problem(TypeError, f"{bn} must be a float tensor on {wn}'s device ({weight.device})")
     dtypes = {t.dtype for t in (hidden, weight, bias) if t is not None}
     if len(dtypes) > 1 and (autocast_dtype is None or torch.float64 in dtypes):
-        names = ", ".join(f"{n} {t.dtype}" for n, t in (("hidden", hidden), ("weight", weight), ("bias", bias))
-                          if t is not None)
+        names = ", ".join(f"{n} {t.dtype}" for n, t in ((hn, hidden), (wn, weight), (bn, bias)) if t is not None)
         return Problem(
             TypeError,
             f"dtypes differ ({names}): outside torch.autocast the inputs must share one dtype. Run the call "
             f"inside torch.autocast('{hidden.device.type}', dtype=torch.bfloat16) as an AMP model's lm_head does "
-            "(matmuls in bf16, gradients in each input's dtype), or cast hidden to the weight's dtype",
+            f"(matmuls in bf16, gradients in each input's dtype), or cast {hn} to {wn}'s dtype",
         )
-    return _check_target(target, hidden.shape[:-1], "hidden's token dims (hidden.shape[:-1])", hidden.device)
+    return None
+
+
+def check_linear_teacher(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden, teacher_weight, teacher_bias,
+                         *, autocast_dtype: torch.dtype | None, target_given: bool,
+                         hard_weight: float) -> Problem | None:
+    """The teacher's hidden states and lm_head shard of ``linear_distillation_loss`` against the
+    (checked) student's local ``hidden [..., H_s]`` and ``weight [V_local, H_s]``: the same tokens,
+    the same vocab shard (``[V_local, H_t]``, ``H_t`` free), the same device, and outside autocast
+    the student's dtype. And the hard term's need for a target."""
+    problem = _check_float("teacher_hidden", teacher_hidden) or _check_float("teacher_weight", teacher_weight)
+    if problem is not None:
+        return problem
+    if tuple(teacher_hidden.shape[:-1]) != tuple(hidden.shape[:-1]):
+        return Problem(InvalidInputError, f"teacher_hidden's token dims {tuple(teacher_hidden.shape[:-1])} do not "
+                                          f"match student_hidden's {tuple(hidden.shape[:-1])}: the teacher must see "
+                                          "the same tokens")
+    if teacher_weight.dim() == 2 and teacher_weight.shape[0] != weight.shape[0]:
+        return Problem(InvalidInputError, f"teacher_weight has {teacher_weight.shape[0]} vocab rows on this rank but "
+                                          f"student_weight {weight.shape[0]}: both must be this rank's torch.chunk "
+                                          "shard of the same vocab")
+    if teacher_hidden.device != hidden.device or teacher_weight.device != weight.device:
+        return Problem(ValueError, f"the teacher's inputs are on {teacher_hidden.device} / {teacher_weight.device} "
+                                   f"but the student's on {hidden.device}")
+    problem = _check_lm_head(teacher_hidden, teacher_weight, teacher_bias, autocast_dtype=autocast_dtype,
+                             prefix="teacher_")
+    if problem is not None:
+        return problem
+    if autocast_dtype is None and teacher_weight.dtype != weight.dtype:
+        return Problem(TypeError, f"dtypes differ (student_weight {weight.dtype}, teacher_weight "
+                                  f"{teacher_weight.dtype}): outside torch.autocast both models' inputs must share "
+                                  "one dtype; run the call inside torch.autocast or cast the teacher to the student's "
+                                  "dtype")
+    if autocast_dtype is not None and (torch.float64 in (teacher_weight.dtype, weight.dtype)
+                                       and teacher_weight.dtype != weight.dtype):
+        return Problem(TypeError, f"dtypes differ (student_weight {weight.dtype}, teacher_weight "
+                                  f"{teacher_weight.dtype}): float64 does not mix with other dtypes, even under "
+                                  "torch.autocast")
+    return _hard_term_target(target_given, hard_weight)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,7 +348,8 @@ def check_linear(hidden, weight, target, bias, *, autocast_dtype: torch.dtype | 
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool)
-OPS = ("cross_entropy", "linear_cross_entropy", "token_logprobs", "linear_token_logprobs", "distillation_loss")
+OPS = ("cross_entropy", "linear_cross_entropy", "token_logprobs", "linear_token_logprobs", "distillation_loss",
+       "linear_distillation_loss")
 _INPUT_NAMES = ("grad mode", "input", "weight", "bias")
 
 
@@ -572,7 +625,8 @@ def _check_facts(rows: list[list[int]], group, policy) -> None:
         per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
         hint = {
             "target_checksum": "every rank must pass the same target ids in the same order",
-            "hidden_checksum": "hidden must be replicated over the group (the same values on every rank); a "
+            "hidden_checksum": "hidden (and linear_distillation_loss's teacher_hidden) must be replicated over the "
+                               "group (the same values on every rank); a "
                                "token-sharded hidden needs sequence_parallel=True. Inside a "
                                "torch.distributed.pipelining schedule wrap the loss in "
                                "vparallel_ce.pipeline.PipelineLoss (its first step's shape inference passes "

@@ -1,0 +1,246 @@
+r"""``linear_distillation_loss``: distillation between a student and a teacher given by their hidden
+states and lm_head shards, never materialising either model's ``[N, V_local]`` logits beyond one
+token chunk.
+
+With ``s = h_s W_s^T + b_s`` and ``t = h_t W_t^T + b_t`` this rank's vocab shard of the two models'
+logits (``W_s [V_loc, H_s]``, ``W_t [V_loc, H_t]``: the same rows of the vocab, hidden sizes free),
+the loss is :func:`vparallel_ce.distillation_loss` of ``(s, t)``. Per token chunk ``c``:
+
+1. ``t_c = h_t,c W_t^T`` (the teacher: a constant) and ``s_c = h_s,c W_s^T`` -- two GEMMs;
+2. :func:`vparallel_ce.divergence.statistics` of the pair: one all-reduce MAX and one SUM of a few
+   floats per token (two SUMs for the JSD);
+3. the student logits' gradient ``ds_c`` by :func:`vparallel_ce.divergence.grad_student`, then
+   ``dh_c = ds_c W_s`` and ``dW_s (+)= ds_c^T h_s,c``, ``db_s += sum ds_c`` -- two more GEMMs.
+
+For ``mean``/``sum`` step 3 runs in forward for an upstream gradient of 1 (``r_i``: 1 or
+``1 / n_valid`` on valid tokens, 0 on ignored ones) and the backward scales the finished gradients by
+the upstream scalar: 4 GEMMs in all, dW summed over the chunks in an fp32 accumulator. For
+``none`` (or with several microbatches in flight, :mod:`vparallel_ce.policy`) the forward keeps the
+per-token statistics and the backward recomputes both logits chunk by chunk: 6 GEMMs.
+
+``student_hidden.grad`` is the FULL gradient (the shards' partial ``dh`` summed over the group), or
+with ``sequence_parallel`` this rank's token rows of it (chunk rows all-gathered, ``dh``
+reduce-scattered) -- the row and gradient machinery is :mod:`vparallel_ce.linear`'s (``Rows``,
+``Grads``). Under ``torch.autocast`` all four GEMMs run in the autocast dtype; the statistics are
+fp32; each gradient comes back in its input's dtype. The teacher gets no gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .call import Call, TeacherInputs, autocast_off, linear_distillation_call, settles_check
+from .divergence import Divergence, DistillSpec, DistillStats, grad_student, statistics, token_loss
+from .linear import Grads, Rows, Schedule, logits, matmul_inputs, scale_unit_grads
+from .linear import _cat, _keep, _valid_count  # the CE's per-chunk bookkeeping, the same here
+from .options import Options
+from .policy import ChunkPolicy, GradMode
+from .second_order import first_order_only
+from .stats import compute_dtype, local_targets, reduce, token_weights
+
+__all__ = ["linear_distillation_loss"]
+
+
+def linear_distillation_loss(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    target: torch.Tensor | None = None,
+    *,
+    student_bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    group=None,
+    kind: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    hard_weight: float = 0.0,
+    num_valid_tokens: int | torch.Tensor | None = None,
+    vocab_size: int | None = None,
+    chunks: int | str = "auto",
+    policy: ChunkPolicy | None = None,
+    sequence_parallel: bool = False,
+    check: bool = True,
+) -> torch.Tensor:
+    r"""``distillation_loss(student_hidden @ student_weight.T + student_bias, teacher_hidden @
+    teacher_weight.T + teacher_bias, target, ...)`` with both lm_heads sharded along the vocab, the
+    logits made one token chunk at a time.
+
+    Args:
+        student_hidden: ``[..., H_s]``, replicated over the group; with ``sequence_parallel=True``
+            this rank's token shard (``teacher_hidden`` and ``target`` split the same way). A DTensor
+            (Replicate, or sequence-sharded) is accepted.
+        student_weight: ``[V_local, H_s]``, this rank's ``torch.chunk(W_s, world, 0)[rank]`` shard of
+            the student's lm_head, or a DTensor ``Shard(0)`` (its mesh gives the group).
+        teacher_hidden: ``[..., H_t]``, the teacher's hidden states of the same tokens (``H_t`` may
+            differ from ``H_s``); a constant.
+        teacher_weight: ``[V_local, H_t]``, the teacher's lm_head shard of the SAME vocab rows; a
+            constant.
+        target: ``[...]`` global ids, or None (every token counts); needed for ``hard_weight > 0``.
+        student_bias, teacher_bias: ``[V_local]`` shards, optional.
+        group, kind, beta, temperature, ignore_index, reduction, hard_weight, num_valid_tokens,
+        vocab_size, check: as in :func:`vparallel_ce.distillation_loss`.
+        chunks: token chunks (an int), or ``"auto"``: sized by the distillation memory model
+            (:func:`vparallel_ce.policy.distillation_chunk_bytes`: both models' logits chunks and
+            the divergence's temporaries against the policy's budget).
+        policy: a :class:`vparallel_ce.policy.ChunkPolicy`; ``vparallel_ce.policy.explain(...,
+            distillation=DistillShape(kind, (H_s, H_t)))`` prints the plan a call runs.
+        sequence_parallel: as in :func:`vparallel_ce.linear_cross_entropy`: ``sum``/``mean`` over
+            the whole group's tokens, ``none`` this rank's tokens' losses.
+
+    Returns:
+        fp32 loss (fp64 for fp64 inputs): a scalar for ``mean``/``sum``, the token shape for
+        ``none``. Gradients, each in its input's dtype: ``student_weight.grad`` /
+        ``student_bias.grad`` this shard's; ``student_hidden.grad`` the full gradient (summed over
+        the group), or this rank's rows of it with ``sequence_parallel``. The teacher's tensors get
+        no gradient, even where they require one.
+    """
+    options = Options(reduction=reduction, ignore_index=ignore_index, num_valid_tokens=num_valid_tokens,
+                      temperature=temperature, divergence=kind, beta=beta, hard_weight=hard_weight, chunks=chunks,
+                      policy=policy, vocab_size=vocab_size, sequence_parallel=sequence_parallel, check=check)
+    return _linear_distillation(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
+                                teacher_bias, group, options)
+
+
+# as distillation_loss: a graph break under torch.compile (dynamo does not trace its front door
+# and chunk loop)
+@torch.compiler.disable
+def _linear_distillation(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
+                         teacher_bias, group, options: Options) -> torch.Tensor:
+    call, inp, teacher = linear_distillation_call(student_hidden, student_weight, teacher_hidden, teacher_weight,
+                                                  target, student_bias, teacher_bias, group=group, options=options)
+    o = options
+    spec = DistillSpec(Divergence(o.divergence), float(o.beta), float(o.temperature), float(o.hard_weight))
+    constant = TeacherInputs(*(None if x is None else x.detach() for x in (teacher.h, teacher.w, teacher.b)))
+    out = _LinearDistillation.apply(inp.h, inp.w, inp.b, inp.target, constant, target is not None, spec, call)
+    return out.reshape(inp.shape) if o.reduction == "none" else out
+
+
+@dataclass
+class _Chunk:
+    """A token chunk's rows, gathered over the group with sequence parallelism: the student's and
+    the teacher's hidden rows (in the matmul dtype), the targets mapped to this shard, and which
+    rows count (padding rows and ignored tokens do not)."""
+
+    h: torch.Tensor  # [c, H_s]
+    th: torch.Tensor  # [c, H_t]
+    local_t: torch.Tensor  # [c]
+    owned: torch.Tensor  # [c]
+    valid: torch.Tensor  # [c] bool
+
+
+class _Walk:
+    """The token chunks of one call over its :class:`~vparallel_ce.linear.Rows`, and the two
+    models' logits of each chunk (the teacher's under ``no_grad``: a constant)."""
+
+    def __init__(self, call: Call, target: torch.Tensor, target_given: bool):
+        self.call, self.target, self.given = call, target, target_given
+        self.rows = Rows(call, call.plan.chunks)
+        # this rank's own tokens that count: without a target all of them (the stand-in target of
+        # zeros may well equal ignore_index)
+        self.valid_local = (target != call.spec.ignore_index if target_given
+                            else torch.ones_like(target, dtype=torch.bool))
+
+    def chunk(self, c: int, h: torch.Tensor, th: torch.Tensor) -> _Chunk:
+        call, rows = self.call, self.rows
+        t_c = rows.gather(c, self.target, fill=call.spec.ignore_index)
+        lay = call.layout
+        local_t, owned, valid = local_targets(t_c, lay.offset, lay.local_size, call.spec.ignore_index,
+                                              all_owned=call.all_owned)
+        if not self.given:  # gathered as integers (gloo gathers no bools); padding rows get 0
+            valid = rows.gather(c, self.valid_local.to(t_c.dtype), fill=0) != 0
+        return _Chunk(rows.gather(c, h), rows.gather(c, th), local_t, owned, valid)
+
+    def logits(self, ch: _Chunk, weights: tuple, teacher: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(student, teacher)`` logits of the chunk, ``[c, V_loc]`` each."""
+        with torch.no_grad():
+            t = logits(self.call, ch.th, *teacher)
+        return logits(self.call, ch.h, *weights), t
+
+
+class _LinearDistillation(torch.autograd.Function):
+    """Forward: per chunk both logits, the divergence's statistics (collectives) and, with the
+    plan's gradients in forward, the student's gradients for an upstream gradient of 1; backward:
+    scales those, or recomputes both logits and the gradients chunk by chunk. Autocast is off
+    inside; the matmul dtype comes from the :class:`Call`."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, target, teacher: TeacherInputs, target_given: bool, spec: DistillSpec, call: Call):
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
+        in_forward = any(need) and call.plan.grad_mode is GradMode.IN_FORWARD
+        with autocast_off(h.device.type):
+            hm, wm, bm = matmul_inputs(call, h, w, b)
+            thm, twm, tbm = matmul_inputs(call, teacher.h, teacher.w, teacher.b)
+            walk = _Walk(call, target, target_given)
+            rows = walk.rows
+            # mean's divisor, before the first chunk: gradients made in forward weigh by it
+            n_valid = _valid_count(target, call, walk.valid_local) if call.reduction == "mean" else None
+            grads = _grads(call, rows, h, w, b, wm, need) if in_forward else None
+            per_token, stats = [], []
+            for c in range(len(rows)):
+                ch = walk.chunk(c, hm, thm)
+                s, t = walk.logits(ch, (wm, bm), (twm, tbm))
+                st = statistics(s, t, ch.local_t, ch.owned, spec, call.layout)
+                per_token.append(_keep(rows, c, token_loss(st, ch.valid, spec), call.reduction))
+                if in_forward:
+                    unit = token_weights(ch.valid, n_valid, call.reduction, st.t_max.dtype)
+                    _add_grads(grads, rows, c, ch, s, t, st, unit, spec, wm)
+                else:
+                    stats.append(st)
+                del s, t
+            ctx.call, ctx.spec, ctx.need, ctx.in_forward = call, spec, need, in_forward
+            if in_forward:  # only the [N, H_s] / [V_loc, H_s] gradients are kept, no logits
+                ctx.save_for_backward(*grads.finish(rows))
+            elif any(need):
+                ctx.save_for_backward(h, w, b, target, teacher.h, teacher.w, teacher.b)
+                ctx.stats, ctx.n_valid, ctx.target_given = stats, n_valid, target_given
+            return call.settle_forward(ctx, reduce(_cat(per_token), n_valid, call.reduction))
+
+    @staticmethod
+    @first_order_only("linear_distillation_loss")
+    @settles_check
+    def backward(ctx, grad_out):
+        nothing = (None,) * 5
+        if ctx.in_forward:  # made in forward for grad_out == 1: scale by the scalar
+            return scale_unit_grads(ctx.saved_tensors, grad_out) + nothing
+        call, spec = ctx.call, ctx.spec
+        h, w, b, target, th, tw, tb = ctx.saved_tensors
+        with autocast_off(h.device.type):
+            hm, wm, bm = matmul_inputs(call, h, w, b)
+            thm, twm, tbm = matmul_inputs(call, th, tw, tb)
+            walk = _Walk(call, target, ctx.target_given)
+            rows = walk.rows
+            grads = _grads(call, rows, h, w, b, wm, ctx.need)
+            g_local = grad_out.reshape(-1) if call.reduction == "none" else None
+            for c in range(len(rows)):
+                ch = walk.chunk(c, hm, thm)
+                st = ctx.stats[c]
+                r = token_weights(ch.valid, ctx.n_valid, call.reduction, st.t_max.dtype)
+                g = rows.gather(c, g_local) if g_local is not None else grad_out
+                # an ignored token's weight (exactly 0) stays 0 whatever the upstream gradient, nan included
+                weight = torch.where(r == 0, r, r * g.to(r.dtype))
+                s, t = walk.logits(ch, (wm, bm), (twm, tbm))
+                _add_grads(grads, rows, c, ch, s, t, st, weight, spec, wm)
+                del s, t
+            return grads.finish(rows) + nothing
+
+
+def _grads(call: Call, rows: Rows, h, w, b, wm, need) -> Grads:
+    """The student's gradient buffers: fp32 sums over chunks and ranks (one block: the whole shard)."""
+    whole = Schedule(len(rows), (slice(0, call.layout.local_size),), keep_logits=False)
+    return Grads(h, w, b, need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=whole)
+
+
+def _add_grads(grads: Grads, rows: Rows, c: int, ch: _Chunk, s, t, st: DistillStats, weight, spec: DistillSpec,
+               wm) -> None:
+    """Chunk ``c``'s ``d (sum_i weight_i loss_i)`` into the student's buffers: the logits' gradient
+    in fp32 (``db`` sums it unrounded), the two GEMMs on it in the matmul dtype."""
+    dh_rows = grads.rows_of(rows, c, ch.h)
+    if s.shape[-1]:  # an empty vocab shard adds nothing (its dh rows stay 0 until the sum over the group)
+        ds = grad_student(s, t, ch.local_t, ch.owned, st, weight, spec, out_dtype=compute_dtype(s.dtype))
+        grads.add_block(slice(0, s.shape[-1]), ds, ch.h, wm, dh_rows)
+    grads.end_chunk(rows, c, dh_rows)
