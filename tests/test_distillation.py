@@ -35,6 +35,14 @@ def reference(s, t, target, *, kind, beta=0.5, temperature=1.0, hard_weight=0.0,
     else:
         lm = torch.log(beta * p + (1 - beta) * q)
         d = beta * (p * (lp - lm)).sum(-1) + (1 - beta) * (q * (lq - lm)).sum(-1)
+    return token_reference(d, s2, target, temperature=temperature, hard_weight=hard_weight,
+                           ignore_index=ignore_index, reduction=reduction).reshape(
+        s.shape[:-1] if reduction == "none" else ())
+
+
+def token_reference(d, s2, target, *, temperature, hard_weight, ignore_index, reduction):
+    """The loss from the per-token divergence ``d`` (``[N]``): ``T**2 d`` plus the hard term on the
+    ``[N, V]`` student logits ``s2``, 0 on ignored tokens, reduced (``"none"``: ``[N]``)."""
     per = d * temperature ** 2
     if target is None:
         valid = torch.ones_like(per, dtype=torch.bool)
@@ -45,7 +53,7 @@ def reference(s, t, target, *, kind, beta=0.5, temperature=1.0, hard_weight=0.0,
                                                       reduction="none")
     per = torch.where(valid, per, torch.zeros_like(per))
     if reduction == "none":
-        return per.reshape(s.shape[:-1])
+        return per
     return per.sum() / valid.sum() if reduction == "mean" else per.sum()
 
 
@@ -89,6 +97,13 @@ def check_case(rank, world, group, seed, vocab, opts, ignore, *, chunks=2, tol=1
     out = vparallel_ce.distillation_loss(s, t, target, group=group, chunks=chunks, **opts)
     s_ref = s_full.clone().requires_grad_()
     ref = reference(s_ref, t_full, target, **opts)
+    return judge(name, out, ref, s, s_ref, t, world, rank, seed, tol)
+
+
+def judge(name, out, ref, s, s_ref, teacher, world, rank, seed, tol):
+    """Failures of a float64 loss ``out`` on student shard ``s`` against ``ref`` on the full
+    ``s_ref``, both backpropagated from the same upstream gradient; ``teacher``: a tensor that must
+    get no gradient."""
     g = _upstream(ref, seed)
     (out * g).sum().backward()
     (ref * g).sum().backward()
@@ -102,7 +117,7 @@ def check_case(rank, world, group, seed, vocab, opts, ignore, *, chunks=2, tol=1
     err = rel_err(s.grad, shard(s_ref.grad, world, rank), s_ref.grad)
     if not err <= tol:
         failures.append(f"{name}: student gradient error {err}")
-    if t.grad is not None:
+    if teacher.grad is not None:
         failures.append(f"{name}: the teacher got a gradient")
     return failures
 

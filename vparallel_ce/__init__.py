@@ -9,6 +9,7 @@ Public API:
   from sharded logits or hidden states, with gradients;
 * :func:`distillation_loss` -- forward/reverse KL or JSD between a student's and a teacher's
   vocab-sharded logits (plus an optional hard cross-entropy term), with the student's gradient;
+  the teacher may be sparse, its top-k ids and log-probs (:class:`TopKTeacher`, :class:`TailMode`);
 * :func:`count_valid_tokens` -- the valid tokens of a step over its data-parallel ranks, the
   ``num_valid_tokens`` of the ops for exact gradient accumulation;
 * :func:`build_loss_fn` and the ``nn.Module`` wrappers -- string-configurable losses;
@@ -25,12 +26,15 @@ from .pipeline import count_valid_tokens
 from .policy import ChunkPolicy, choose_chunks
 from .registry import LinearCrossEntropy, PlainCrossEntropy, VocabParallelCrossEntropy, build_loss_fn
 from .second_order import SecondDerivativeError
+from .topk import TailMode, TopKTeacher
 from .validate import InvalidInputError
 from . import megatron, pipeline, policy  # noqa: E402  (submodules of the public API)
 
 __all__ = [
     "cross_entropy",
     "distillation_loss",
+    "TopKTeacher",
+    "TailMode",
     "linear_cross_entropy",
     "token_logprobs",
     "linear_token_logprobs",
