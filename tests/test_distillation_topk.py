@@ -199,6 +199,9 @@ def bad_input_rank(rank, world, group, vocab):
         "no mass to renormalise": (call(lp=at(logprobs, (1, 0), float("-inf")), tail="renormalize"),
                                    ["all -inf", "token 3"]),
         "ids shape": (call(i=ids[:, :1]), ["TopKTeacher.ids shape", "token dims"]),
+        # the other ranks name the rank: "invalid input on rank(s) ...: TopKTeacher.ids shape ..."
+        "ids shape on one rank": (call(i=ids[:, :1] if odd else ids),
+                                  ["TopKTeacher.ids shape"] if odd else [f"rank(s) {world - 1}", "TopKTeacher.ids shape"]),
         "logprobs shape": (call(lp=logprobs[..., :2]), ["TopKTeacher.logprobs shape", "does not match"]),
         "float ids": (call(i=ids.float()), ["TopKTeacher.ids must be"]),
         "unknown tail": (call(tail="drop"), ["TopKTeacher.tail must be one of"]),
@@ -211,8 +214,8 @@ def bad_input_rank(rank, world, group, vocab):
                          ["teacher tail", "'bucket'", "'renormalize'"]),
         "logprobs dtype differs": (call(lp=logprobs.double() if odd else logprobs),
                                    ["teacher dtype", "torch.float32", "torch.float64"]),
-        "dense teacher dtype differs": (call(teacher=t.bfloat16() if odd else t),
-                                        ["teacher dtype", "rank 0: torch.float32", f"rank {world - 1}: torch.bfloat16"]),
+        "dense teacher dtype differs": (call(teacher=t.bfloat16() if odd else t), [
+            "teacher dtype", "rank 0: torch.float32", f"rank {world - 1}: torch.bfloat16"]),
         "sparse on some ranks only": (call(teacher=t if odd else None), ["teacher"]),
         "hard weight without a target": (call(tgt=None, hard_weight=0.5), ["needs a target"]),
     }
@@ -303,3 +306,17 @@ def test_a_teacher_in_another_dtype_is_read_in_the_statistics_dtype():
         (a, ga), (b, gb) = results
         assert a.dtype == torch.float32 and ga.dtype == torch.float32
         assert torch.equal(a, b) and torch.equal(ga, gb), f"{type(teacher).__name__}: {a} vs {b}"
+
+
+def test_renormalize_reads_only_the_differences_of_the_logprobs():
+    """With RENORMALIZE a T = 1 record divided by T is the tempered teacher renormalised over its
+    ids (what docs/distillation.md tells a user holding a T = 1 cache); no tokens is a loss of 0."""
+    s, t, ids, _, target = make(6, 13, 4, "none ignored")
+    at_t = F.log_softmax(t / 2.0, -1).gather(-1, ids)
+    record = F.log_softmax(t, -1).gather(-1, ids) / 2.0
+    a, b = (vparallel_ce.distillation_loss(s, TopKTeacher(ids, lp, tail="renormalize"), target, temperature=2.0,
+                                           kind="reverse_kl", reduction="none") for lp in (at_t, record))
+    assert rel_err(a, b) < 1e-13 and a.abs().sum() > 0
+    empty = vparallel_ce.distillation_loss(s[:0].requires_grad_(), TopKTeacher(ids[:0], at_t[:0]), target[:0],
+                                           reduction="sum")
+    assert empty.item() == 0.0

@@ -36,8 +36,8 @@ from .validate import (
     check_topk_teacher, check_topk_values, hidden_checksum, replication_checked,
 )
 
-__all__ = ["Call", "LogitsInputs", "LinearInputs", "TopKRows", "logits_call", "distillation_call", "linear_call", "autocast_dtype",
-           "autocast_off", "is_dtensor", "local"]
+__all__ = ["Call", "LogitsInputs", "LinearInputs", "TopKRows", "logits_call", "distillation_call", "linear_call",
+           "autocast_dtype", "autocast_off", "is_dtensor", "local"]
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,9 @@ student's gradient has a closed form (``d/ds = (1/T) d/db``, times the ``T**2`` 
 teacher is a constant: it gets no gradient.
 
 Every function takes chunks of logits (``[c, V_block]``) and per-token vectors, so an op that makes
-its logits chunk by chunk (a fused lm_head variant, or a sparse top-k teacher scattered into a
-chunk) reuses them as they are. Statistics are fp32 whatever the logits' dtype (fp64 for fp64).
+its logits chunk by chunk (a fused lm_head variant) reuses them as they are. A sparse top-k teacher
+has its own per-chunk math (:mod:`vparallel_ce.topk`), which shares the hard term's steps here
+(:func:`hard_sums`, :func:`hard_stats`, :func:`finish_grad`). Statistics are fp32 whatever the logits' dtype (fp64 for fp64).
 """
 
 from __future__ import annotations

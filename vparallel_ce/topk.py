@@ -177,16 +177,16 @@ def topk_statistics(s: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, 
     b_ids = packed[len(sums):].T  # [c, k]: the student's b at every id, on every rank
     log_sb = torch.log(packed[0])
     lp = logprobs.to(cdt)
+    if tail is TailMode.BUCKET:  # log q_i = b_i - m_b - log S_b, without exponentiating b_i
+        log_norm = finite_shift(m_b) + log_sb
+        log_q, log_p = b_ids - log_norm.unsqueeze(-1), lp
     if bucket:
-        log_tail_q = finite_shift(m_r) + torch.log(packed[1]) - finite_shift(m_b) - log_sb
-        log_q = torch.cat([b_ids - finite_shift(m_b).unsqueeze(-1) - log_sb.unsqueeze(-1), log_tail_q.unsqueeze(-1)], -1)
+        log_tail_q = finite_shift(m_r) + torch.log(packed[1]) - log_norm
         # 1 - sum p, exact near 1; a sum above 1 by rounding leaves no tail (clamped)
         tail_p = (-torch.expm1(torch.logsumexp(lp, -1))).clamp_min(0.0)
+        log_q = torch.cat([log_q, log_tail_q.unsqueeze(-1)], -1)
         log_p = torch.cat([lp, torch.log(tail_p).unsqueeze(-1)], -1)
-    elif tail is TailMode.BUCKET:  # k = V: the ids are the whole vocab, the tail class is empty
-        log_q = b_ids - finite_shift(m_b).unsqueeze(-1) - log_sb.unsqueeze(-1)
-        log_p = lp
-    else:
+    elif tail is TailMode.RENORMALIZE:
         log_q = b_ids - torch.logsumexp(b_ids, -1, keepdim=True)
         log_p = lp - torch.logsumexp(lp, -1, keepdim=True)
     div, g = class_divergence(log_p, log_q, spec)

@@ -33,7 +33,8 @@ from .topk import TAIL_MODES
 
 __all__ = [
     "Problem", "InvalidInputError", "DeferredTargetCheck", "check_options", "check_call_options", "check_logits",
-    "check_teacher", "check_topk_teacher", "check_topk_values", "TOPK_SUM_TOL", "check_linear", "agree", "Agreement", "Facts", "target_checksum", "word_checksum",
+    "check_teacher", "check_topk_teacher", "check_topk_values", "TOPK_SUM_TOL", "check_linear", "agree",
+    "Agreement", "Facts", "target_checksum", "word_checksum",
     "hidden_checksum", "OPS", "SCHEDULES",
 ]
 
@@ -253,8 +254,8 @@ def check_topk_teacher(student: torch.Tensor, teacher, *, target_given: bool, ha
         return Problem(ValueError, f"TopKTeacher.tail must be one of {TAIL_MODES}, got {teacher.tail!r}")
     token_dims = tuple(student.shape[:-1])
     if ids.dim() < 1 or tuple(ids.shape[:-1]) != token_dims or ids.shape[-1] < 1:
-        return Problem(InvalidInputError, f"TopKTeacher.ids shape {tuple(ids.shape)} is not [*token dims, k] with k >= 1 "
-                                          f"for student_logits {tuple(student.shape)} (token dims {token_dims})")
+        return Problem(InvalidInputError, f"TopKTeacher.ids shape {tuple(ids.shape)} is not [*token dims, k] with "
+                                          f"k >= 1 for student_logits {tuple(student.shape)} (token dims {token_dims})")
     if tuple(logprobs.shape) != tuple(ids.shape):
         return Problem(InvalidInputError, f"TopKTeacher.logprobs shape {tuple(logprobs.shape)} does not match its ids "
                                           f"{tuple(ids.shape)}")
@@ -487,7 +488,8 @@ class Facts:
             _float_code(o.label_smoothing), _float_code(o.z_loss),
             _NO_SOFTCAP if o.softcap is None else _float_code(o.softcap), _float_code(o.temperature),
             int(o.with_entropy), DIVERGENCES.index(o.divergence), _float_code(o.beta), _float_code(o.hard_weight),
-            int(target_given), *_teacher_codes(teacher), _dtype_code(matmul_dtype), _dtype_code(o.logits_dtype), _policy_code(o.policy),
+            int(target_given), *_teacher_codes(teacher), _dtype_code(matmul_dtype), _dtype_code(o.logits_dtype),
+            _policy_code(o.policy),
             target.numel(), target_checksum, hidden_checksum)
 
     def row(self) -> list:
