@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import vparallel_ce
 from vparallel_ce import TailMode, TopKTeacher
 from tests.dist import errors_of, run_ranks
-from tests.reference import local_grad, rel_err, shard
+from tests.reference import TOL, local_grad, rel_err, shard
 from tests.test_distillation import IGNORES, KINDS, judge, one_thread, token_reference
 
 TAILS = ("bucket", "renormalize")
@@ -306,6 +306,17 @@ def test_a_teacher_in_another_dtype_is_read_in_the_statistics_dtype():
         (a, ga), (b, gb) = results
         assert a.dtype == torch.float32 and ga.dtype == torch.float32
         assert torch.equal(a, b) and torch.equal(ga, gb), f"{type(teacher).__name__}: {a} vs {b}"
+    # a bf16 student: statistics in fp32, the gradient in bf16
+    for tail in TAILS:
+        x = s.bfloat16().requires_grad_()
+        out = vparallel_ce.distillation_loss(x, TopKTeacher(ids, logprobs, tail=tail), target, kind="reverse_kl",
+                                             temperature=2.0, hard_weight=0.5)
+        out.backward()
+        ref_x = s.bfloat16().double().requires_grad_()
+        ref = reference(ref_x, ids, logprobs, target, tail=tail, kind="reverse_kl", temperature=2.0, hard_weight=0.5)
+        ref.backward()
+        assert out.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+        assert rel_err(out, ref) < TOL[torch.float32] and rel_err(x.grad, ref_x.grad) < TOL[torch.bfloat16], tail
 
 
 def test_renormalize_reads_only_the_differences_of_the_logprobs():
