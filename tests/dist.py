@@ -138,10 +138,11 @@ def _close_all():
     _POOLS.clear()
 
 
-def errors_of(calls: dict) -> dict:
+def errors_of(calls: dict, group=None) -> dict:
     """On a rank of a running group: call each zero-argument callable in ``calls`` and record the
     error it raised (``"TypeError: message"``) or None; a barrier after each call keeps the group
-    in step, so a case that raised on one rank only shows up as a hang-free mismatch."""
+    (``group``, default the whole world) in step, so a case that raised on one rank only shows up
+    as a hang-free mismatch."""
     import torch.distributed as dist
 
     errors = {}
@@ -151,7 +152,7 @@ def errors_of(calls: dict) -> dict:
             errors[name] = None
         except (ValueError, TypeError) as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
-        dist.barrier()
+        dist.barrier(group=group)
     return errors
 
 

@@ -48,6 +48,14 @@ def reference_distillation(s, t, target, *, kind, beta=0.5, temperature=1.0, har
     else:
         lm = torch.log(beta * p + (1 - beta) * q)
         d = beta * (p * (lp - lm)).sum(-1) + (1 - beta) * (q * (lq - lm)).sum(-1)
+    return token_reference(d, s2, target, temperature=temperature, hard_weight=hard_weight,
+                           ignore_index=ignore_index, reduction=reduction).reshape(
+        s.shape[:-1] if reduction == "none" else ())
+
+
+def token_reference(d, s2, target, *, temperature, hard_weight, ignore_index, reduction):
+    """The distillation loss from the per-token divergence ``d`` (``[N]``): ``T**2 d`` plus the hard
+    term on the ``[N, V]`` student logits ``s2``, 0 on ignored tokens, reduced (``"none"``: ``[N]``)."""
     per = d * temperature ** 2
     if target is None:
         valid = torch.ones_like(per, dtype=torch.bool)
@@ -58,7 +66,7 @@ def reference_distillation(s, t, target, *, kind, beta=0.5, temperature=1.0, har
                                                       reduction="none")
     per = torch.where(valid, per, torch.zeros_like(per))
     if reduction == "none":
-        return per.reshape(s.shape[:-1])
+        return per
     return per.sum() / valid.sum() if reduction == "mean" else per.sum()
 
 

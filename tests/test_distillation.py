@@ -59,6 +59,13 @@ def check_case(rank, world, group, seed, vocab, opts, ignore, *, chunks=2, tol=1
     out = vparallel_ce.distillation_loss(s, t, target, group=group, chunks=chunks, **opts)
     s_ref = s_full.clone().requires_grad_()
     ref = reference(s_ref, t_full, target, **opts)
+    return judge(name, out, ref, s, s_ref, t, world, rank, seed, tol)
+
+
+def judge(name, out, ref, s, s_ref, teacher, world, rank, seed, tol):
+    """Failures of a float64 loss ``out`` on student shard ``s`` against ``ref`` on the full
+    ``s_ref``, both backpropagated from the same upstream gradient; ``teacher``: a tensor that must
+    get no gradient."""
     g = _upstream(ref, seed)
     (out * g).sum().backward()
     (ref * g).sum().backward()
@@ -72,7 +79,7 @@ def check_case(rank, world, group, seed, vocab, opts, ignore, *, chunks=2, tol=1
     err = rel_err(s.grad, shard(s_ref.grad, world, rank), s_ref.grad)
     if not err <= tol:
         failures.append(f"{name}: student gradient error {err}")
-    if t.grad is not None:
+    if teacher.grad is not None:
         failures.append(f"{name}: the teacher got a gradient")
     return failures
 

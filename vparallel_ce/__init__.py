@@ -11,6 +11,7 @@ Public API:
   vocab-sharded logits (plus an optional hard cross-entropy term), with the student's gradient;
 * :func:`linear_distillation_loss` -- the same from both models' hidden states and lm_head shards,
   no logits beyond one token chunk;
+  the teacher may be sparse, its top-k ids and log-probs (:class:`TopKTeacher`, :class:`TailMode`);
 * :func:`count_valid_tokens` -- the valid tokens of a step over its data-parallel ranks, the
   ``num_valid_tokens`` of the ops for exact gradient accumulation;
 * :func:`build_loss_fn` and the ``nn.Module`` wrappers -- string-configurable losses;
@@ -28,6 +29,7 @@ from .pipeline import count_valid_tokens
 from .policy import ChunkPolicy, choose_chunks
 from .registry import LinearCrossEntropy, PlainCrossEntropy, VocabParallelCrossEntropy, build_loss_fn
 from .second_order import SecondDerivativeError
+from .topk import TailMode, TopKTeacher
 from .validate import InvalidInputError
 from . import megatron, pipeline, policy  # noqa: E402  (submodules of the public API)
 
@@ -35,6 +37,8 @@ __all__ = [
     "cross_entropy",
     "distillation_loss",
     "linear_distillation_loss",
+    "TopKTeacher",
+    "TailMode",
     "linear_cross_entropy",
     "token_logprobs",
     "linear_token_logprobs",

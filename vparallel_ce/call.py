@@ -33,13 +33,15 @@ from .layout import VocabLayout
 from .policy import DistillShape, Plan
 from .stats import LossSpec
 from .options import Options
+from .topk import TailMode, TopKTeacher
 from .validate import (
     DeferredTargetCheck, Facts, agree, check_call_options, check_linear, check_linear_teacher, check_logits,
-    check_teacher, hidden_checksum, replication_checked,
+    check_teacher, check_topk_teacher, check_topk_values, hidden_checksum, replication_checked,
 )
 
-__all__ = ["Call", "LogitsInputs", "LinearInputs", "TeacherInputs", "logits_call", "distillation_call", "linear_call",
-           "linear_distillation_call", "autocast_dtype", "autocast_off", "is_dtensor", "local", "settles_check"]
+__all__ = ["Call", "LogitsInputs", "LinearInputs", "TeacherInputs", "TopKRows", "logits_call", "distillation_call",
+           "linear_call", "linear_distillation_call", "autocast_dtype", "autocast_off", "is_dtensor", "local",
+           "settles_check"]
 
 
 @dataclass(frozen=True)
@@ -132,12 +134,15 @@ class TeacherInputs:
 
 
 def logits_call(logits, target, *, op: str, group, options: Options, more_checks=None,
-                target_given: bool = True, distillation: DistillShape | None = None) -> tuple[Call, LogitsInputs]:
+                target_given: bool = True, teacher=None, distillation: DistillShape | None = None
+                ) -> tuple[Call, LogitsInputs]:
     """The front door of ops over vocab-sharded logits ``[..., V_local]``. ``op``: the op's name
     (:data:`~vparallel_ce.validate.OPS`); ``options``: what the op was given; ``more_checks``: the
     op's own checks of its other inputs, given the local logits (a Problem or None);
     ``target_given``: False where ``target`` is a stand-in (:func:`distillation_call`);
-    ``distillation``: the distillation memory model's shape for the plan (None: the CE's)."""
+    ``teacher``: the distillation's teacher (its logits or a
+    :class:`~vparallel_ce.topk.TopKTeacher`), whose facts the ranks agree on; ``distillation``: the
+    distillation memory model's shape for the plan (None: the CE's)."""
     o = options
     logits, target, group, vocab_size = _unwrap_logits(logits, target, group, o.vocab_size)
     group = comm.resolve_group(group)
@@ -145,7 +150,7 @@ def logits_call(logits, target, *, op: str, group, options: Options, more_checks
 
     def facts(target_checksum):  # made only for a group's exchange
         return Facts.of(op=op, options=o, inputs=(logits,), target=target, target_checksum=target_checksum,
-                        target_given=target_given)
+                        target_given=target_given, teacher=teacher)
 
     agreed = agree(problem, group, local_size=lambda: logits.shape[-1], facts=facts, device=_device(logits),
                    options=o, vocab_size=vocab_size, target=target)
@@ -157,23 +162,50 @@ def logits_call(logits, target, *, op: str, group, options: Options, more_checks
     return call, LogitsInputs(_rows(logits, n, lay.local_size), _flat(target), target.shape)
 
 
+@dataclass(frozen=True)
+class TopKRows:
+    """A sparse teacher's rows: ``[N, k]`` int64 GLOBAL ids and float log-probs, and its tail mode."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    tail: TailMode
+
+
 def distillation_call(student, teacher, target, *, group, options: Options
-                      ) -> tuple[Call, LogitsInputs, torch.Tensor]:
+                      ) -> tuple[Call, LogitsInputs, torch.Tensor | TopKRows]:
     """The front door of :func:`vparallel_ce.distillation_loss`: :func:`logits_call` on the
-    student's logits, with the teacher's checked against them (same local shape: the same shard of
-    the same vocab), and the teacher's ``[N, V_local]`` rows besides. Without a target the call
-    checks and exchanges a stand-in of zeros (every token counts; ``target_given`` is one of the
-    agreed facts)."""
+    student's logits, with the teacher checked against them -- logits of the same local shape (the
+    same shard of the same vocab), or a :class:`~vparallel_ce.topk.TopKTeacher` whose ids and
+    log-probs have the student's token dims -- and the teacher's rows besides (``[N, V_local]``
+    logits, or :class:`TopKRows`). Without a target the call checks and exchanges a stand-in of
+    zeros (every token counts; ``target_given`` is one of the agreed facts). The ranks agree on the
+    teacher's dtype, and for a sparse teacher on its ``k``, tail mode, ids and log-probs; with
+    ``check``, a sparse teacher's values are checked once the ranks agree on them
+    (:func:`~vparallel_ce.validate.check_topk_values`: the same error on every rank)."""
     given = target is not None
     target = target if given else _stand_in_target(student)
-    teacher = local(teacher)
+    sparse = isinstance(teacher, TopKTeacher)
+    if sparse:
+        teacher = TopKTeacher(_replicated(teacher.ids, "TopKTeacher.ids"),
+                              _replicated(teacher.logprobs, "TopKTeacher.logprobs"), tail=teacher.tail)
+    else:
+        teacher = local(teacher)
 
     def more_checks(logits):
-        return check_teacher(logits, teacher, target_given=given, hard_weight=options.hard_weight)
+        check = check_topk_teacher if sparse else check_teacher
+        return check(logits, teacher, target_given=given, hard_weight=options.hard_weight)
 
     call, inp = logits_call(student, target, op="distillation_loss", group=group, options=options,
-                            more_checks=more_checks, target_given=given, distillation=_distill_shape(options))
-    return call, inp, _rows(teacher, inp.target.numel(), call.layout.local_size)
+                            more_checks=more_checks, target_given=given, teacher=teacher,
+                            distillation=_distill_shape(options))
+    if not sparse:
+        return call, inp, _rows(teacher, inp.target.numel(), call.layout.local_size)
+    n, k = inp.target.numel(), teacher.ids.shape[-1]
+    rows = TopKRows(_rows(teacher.ids, n, k).to(torch.int64), _rows(teacher.logprobs, n, k), TailMode(teacher.tail))
+    if options.check:
+        valid = inp.target != options.ignore_index if given else None
+        check_topk_values(rows.ids, rows.logprobs, valid, call.layout.vocab_size, rows.tail)
+    return call, inp, rows
 
 
 def linear_call(hidden, weight, target, bias, *, op: str, group, options: Options, more_checks=None,

@@ -8,14 +8,21 @@ second one of two floats per token for JSD) -- the math and exactly what crosses
 logits and the saved per-token statistics and needs no collective. The teacher is a constant: no
 gradient flows into it. Extra memory: one chunk's fp32 working set (a few ``[chunk, V_local]``
 tensors) in forward and backward, plus the student gradient's buffer.
+
+A sparse teacher (:class:`vparallel_ce.topk.TopKTeacher`: top-k ids and log-probs per token) runs
+the same Function over the math of :mod:`vparallel_ce.topk` instead: one MAX and one SUM
+all-reduce per chunk, the SUM carrying the student's logits at the ``k`` ids.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .call import Call, autocast_off, distillation_call, settles_check
-from .divergence import Divergence, DistillSpec, DistillStats, grad_student, statistics, token_loss
+from .call import Call, TopKRows, autocast_off, distillation_call, settles_check
+from .divergence import Divergence, DistillSpec, grad_student, statistics, token_loss
+from .topk import TailMode, topk_grad_student, topk_statistics
 from .options import Options
 from .policy import ChunkPolicy
 from .second_order import first_order_only
@@ -54,7 +61,15 @@ def distillation_loss(
         student_logits: ``[..., V_local]`` float tensor, this rank's ``torch.chunk(full, world, -1)``
             slice of the student's logits, or a DTensor ``Shard(-1)`` (its mesh gives the group).
         teacher_logits: the teacher's logits, the same shard layout and shape (a plain tensor or a
-            DTensor); a constant: it gets no gradient.
+            DTensor), in any float dtype (read in the statistics' dtype; the ranks must agree on
+            it); a constant: it gets no gradient. Or a sparse teacher,
+            :class:`vparallel_ce.TopKTeacher` ``(ids, logprobs, tail=...)``: ``[..., k]`` GLOBAL
+            ids and the teacher's log-probabilities there at temperature ``T`` (``p`` as given,
+            not rescaled), the same on every rank; the divergence is then over the ``k`` ids and a
+            tail class (``TailMode.BUCKET``) or over the ``k`` ids renormalised
+            (``TailMode.RENORMALIZE``), the student's ``q`` still over the GLOBAL vocab
+            (:mod:`vparallel_ce.topk`). With ``check``, ids out of ``[0, V)`` or repeated in a row,
+            log-probs above 0 or (``BUCKET``) probabilities summing above 1 raise on every rank.
         target: ``[...]`` integer ids in the GLOBAL vocab, the same on every rank, or None (every
             token counts). Tokens whose target is ``ignore_index`` count 0 and are left out of
             ``mean``. Needed for ``hard_weight > 0``.
@@ -86,44 +101,78 @@ def _distillation(student_logits, teacher_logits, target, group, options: Option
     call, inp, teacher = distillation_call(student_logits, teacher_logits, target, group=group, options=options)
     o = options
     spec = DistillSpec(Divergence(o.divergence), float(o.beta), float(o.temperature), float(o.hard_weight))
-    out = _Distillation.apply(inp.x, teacher.detach(), inp.target, target is not None, spec, call)
+    if isinstance(teacher, TopKRows):
+        math, tensors = _TopKMath(teacher.tail), (teacher.ids, teacher.logprobs.detach())
+    else:
+        math, tensors = _DENSE, (teacher.detach(),)
+    out = _Distillation.apply(inp.x, inp.target, target is not None, spec, call, math, *tensors)
     return out.reshape(inp.shape) if o.reduction == "none" else out
 
 
-def _stats_per_chunk(s, t, local_t, owned, spec: DistillSpec, call: Call) -> DistillStats:
-    parts = [statistics(s[sl], t[sl], local_t[sl], owned[sl], spec, call.layout)
+class _DenseMath:
+    """The teacher's logits ``[N, V_local]``: :mod:`vparallel_ce.divergence`."""
+
+    @staticmethod
+    def statistics(s, teacher, local_t, owned, spec, call):
+        return statistics(s, teacher[0], local_t, owned, spec, call.layout)
+
+    @staticmethod
+    def grad(s, teacher, local_t, owned, st, w, spec, call):
+        return grad_student(s, teacher[0], local_t, owned, st, w, spec)
+
+
+_DENSE = _DenseMath()
+
+
+@dataclass(frozen=True)
+class _TopKMath:
+    """The teacher's top-k ids and log-probs ``[N, k]`` each: :mod:`vparallel_ce.topk`."""
+
+    tail: TailMode
+
+    def statistics(self, s, teacher, local_t, owned, spec, call):
+        return topk_statistics(s, *teacher, local_t, owned, spec, call.layout, self.tail)
+
+    def grad(self, s, teacher, local_t, owned, st, w, spec, call):
+        return topk_grad_student(s, teacher[0], local_t, owned, st, w, spec, call.layout, self.tail)
+
+
+def _stats_per_chunk(s, teacher, local_t, owned, spec: DistillSpec, call: Call, math):
+    parts = [math.statistics(s[sl], [t[sl] for t in teacher], local_t[sl], owned[sl], spec, call)
              for sl in token_slices(s.shape[0], call.plan.chunks)]
-    return DistillStats(*(None if f[0] is None else torch.cat(f) for f in zip(*parts)))
+    return type(parts[0])(*(None if f[0] is None else torch.cat(f) for f in zip(*parts)))
 
 
-def _rows_of(st: DistillStats, sl: slice) -> DistillStats:
-    return DistillStats(*(None if f is None else f[sl] for f in st))
+def _rows_of(st, sl: slice):
+    return type(st)(*(None if f is None else f[sl] for f in st))
 
 
 class _Distillation(torch.autograd.Function):
     """Forward: statistics per chunk (collectives); backward: the student's closed-form gradient
-    per chunk (local). Autocast is off inside: the math is explicit fp32 (fp64 for fp64)."""
+    per chunk (local). ``math``: the teacher's kind (its per-chunk statistics and gradient), over
+    the ``teacher`` tensors. Autocast is off inside: the math is explicit fp32 (fp64 for fp64)."""
 
     @staticmethod
-    def forward(ctx, s, t, target, target_given: bool, spec: DistillSpec, call: Call):
+    def forward(ctx, s, target, target_given: bool, spec: DistillSpec, call: Call, math, *teacher):
         with autocast_off(s.device.type):
             lay = call.layout
             local_t, owned, valid = local_targets(target, lay.offset, lay.local_size, call.spec.ignore_index,
                                                   all_owned=call.all_owned)
             if not target_given:  # the target is a stand-in: every token counts
                 valid = torch.ones_like(valid)
-            st = _stats_per_chunk(s, t, local_t, owned, spec, call)
+            st = _stats_per_chunk(s, teacher, local_t, owned, spec, call, math)
             n_valid = valid.sum() if call.divisor is None else call.divisor
-            weights = token_weights(valid, n_valid, call.reduction, st.t_max.dtype)
-            ctx.save_for_backward(s, t)
-            ctx.call, ctx.spec, ctx.stats, ctx.targets, ctx.weights = call, spec, st, (local_t, owned), weights
+            weights = token_weights(valid, n_valid, call.reduction, st.s_log_s.dtype)
+            ctx.save_for_backward(s, *teacher)
+            ctx.call, ctx.spec, ctx.math, ctx.stats = call, spec, math, st
+            ctx.targets, ctx.weights = (local_t, owned), weights
             return call.settle_forward(ctx, reduce(token_loss(st, valid, spec), n_valid, call.reduction))
 
     @staticmethod
     @first_order_only("distillation_loss")
     @settles_check
     def backward(ctx, grad_out):
-        s, t = ctx.saved_tensors
+        s, *teacher = ctx.saved_tensors
         with autocast_off(s.device.type):
             g = grad_out.reshape(-1) if ctx.call.reduction == "none" else grad_out
             r = ctx.weights
@@ -132,5 +181,6 @@ class _Distillation(torch.autograd.Function):
             local_t, owned = ctx.targets
             ds = torch.empty_like(s)
             for sl in token_slices(s.shape[0], ctx.call.plan.chunks):
-                ds[sl] = grad_student(s[sl], t[sl], local_t[sl], owned[sl], _rows_of(ctx.stats, sl), w[sl], ctx.spec)
-        return ds, None, None, None, None, None
+                ds[sl] = ctx.math.grad(s[sl], [t[sl] for t in teacher], local_t[sl], owned[sl],
+                                       _rows_of(ctx.stats, sl), w[sl], ctx.spec, ctx.call)
+        return (ds, None, None, None, None, None) + (None,) * len(teacher)

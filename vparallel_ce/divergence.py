@@ -43,8 +43,9 @@ student's gradient has a closed form (``d/ds = (1/T) d/db``, times the ``T**2`` 
 teacher is a constant: it gets no gradient.
 
 Every function takes chunks of logits (``[c, V_block]``) and per-token vectors, so an op that makes
-its logits chunk by chunk (a fused lm_head variant, or a sparse top-k teacher scattered into a
-chunk) reuses them as they are. Statistics are fp32 whatever the logits' dtype (fp64 for fp64).
+its logits chunk by chunk (a fused lm_head variant) reuses them as they are. A sparse top-k teacher
+has its own per-chunk math (:mod:`vparallel_ce.topk`), which shares the hard term's steps here
+(:func:`hard_sums`, :func:`hard_stats`, :func:`finish_grad`). Statistics are fp32 whatever the logits' dtype (fp64 for fp64).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from . import comm
 from .stats import compute_dtype, finite_shift
 
 __all__ = ["Divergence", "DIVERGENCES", "DistillSpec", "DistillStats", "statistics", "token_loss",
-           "grad_student"]
+           "grad_student", "hard_sums", "hard_stats", "finish_grad"]
 
 
 class Divergence(str, enum.Enum):
@@ -156,15 +157,8 @@ def statistics(s: torch.Tensor, t: torch.Tensor, local_t: torch.Tensor, owned: t
         sums.append(_weighted(eu, u - v).sum(-1))
     elif kind is Divergence.REVERSE_KL:
         sums.append(_weighted(ev, v - u).sum(-1))
-    hard_row = len(sums)  # where the hard term's own sum-exp lands (at T = 1 it is the student's S_b)
-    if spec.hard_apart:
-        sums.append(torch.exp(h - finite_shift(m_h).unsqueeze(-1)).sum(-1))
-    if spec.hard:
-        if h.shape[-1] > 0:
-            picked = h.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) - finite_shift(m_h)
-        else:
-            picked = torch.zeros_like(m_h)
-        sums.append(torch.where(owned, picked, torch.zeros_like(picked)))
+    hard_row = len(sums)  # where the hard term's own sums land
+    sums += hard_sums(h, m_h, local_t, owned, spec)
     packed = comm.all_reduce_sum_(torch.stack(sums), layout.group)
     log_sa, log_sb = torch.log(packed[0]), torch.log(packed[1])
     inner = None
@@ -181,12 +175,32 @@ def statistics(s: torch.Tensor, t: torch.Tensor, local_t: torch.Tensor, owned: t
         pq = comm.all_reduce_sum_(pq, layout.group)
         inner = pq[1]
         div = spec.beta * pq[0] + (1.0 - spec.beta) * pq[1]
-    hard_max = hard_log_s = hard_loss = None
+    return DistillStats(m_a, log_sa, m_b, log_sb, div, inner, *hard_stats(packed[hard_row:], m_h, log_sb, spec))
+
+
+def hard_sums(h: torch.Tensor, m_h: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor,
+              spec: DistillSpec) -> list:
+    """The hard term's rows of the forward's SUM all-reduce: its own sum-exp (only apart from the
+    student's at ``T != 1``) and the target's shifted logit where this rank owns it."""
+    sums = []
+    if spec.hard_apart:
+        sums.append(torch.exp(h - finite_shift(m_h).unsqueeze(-1)).sum(-1))
     if spec.hard:
-        hard_max = m_h
-        hard_log_s = torch.log(packed[hard_row]) if spec.hard_apart else log_sb
-        hard_loss = hard_log_s - packed[-1]
-    return DistillStats(m_a, log_sa, m_b, log_sb, div, inner, hard_max, hard_log_s, hard_loss)
+        if h.shape[-1] > 0:
+            picked = h.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) - finite_shift(m_h)
+        else:
+            picked = torch.zeros_like(m_h)
+        sums.append(torch.where(owned, picked, torch.zeros_like(picked)))
+    return sums
+
+
+def hard_stats(rows: torch.Tensor, m_h: torch.Tensor, log_sb: torch.Tensor, spec: DistillSpec) -> tuple:
+    """``(hard_max, hard_log_s, hard_loss)`` from the reduced rows of :func:`hard_sums` (``log_sb``:
+    the student's log sum-exp at ``T``, the hard term's own at ``T = 1``); Nones without one."""
+    if not spec.hard:
+        return None, None, None
+    log_s = torch.log(rows[0]) if spec.hard_apart else log_sb
+    return m_h, log_s, log_s - rows[-1]
 
 
 def token_loss(st: DistillStats, valid: torch.Tensor, spec: DistillSpec) -> torch.Tensor:
@@ -217,8 +231,20 @@ def grad_student(s: torch.Tensor, t: torch.Tensor, local_t: torch.Tensor, owned:
     else:
         log_m = _log_mixture(log_p, log_q, spec.beta)
         g = _weighted(q, log_q - log_m - st.inner.unsqueeze(-1)) * ((1.0 - spec.beta) * T)
+    return finish_grad(g, s, q if not spec.hard_apart else None, local_t, owned, st, weight, spec, out_dtype)
+
+
+def finish_grad(g: torch.Tensor, s: torch.Tensor, soft: torch.Tensor | None, local_t: torch.Tensor,
+                owned: torch.Tensor, st, weight: torch.Tensor, spec: DistillSpec,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The divergence's gradient ``g`` (``[c, V_loc]``, in the statistics' dtype) plus the hard
+    term's ``hard_weight (softmax(s) - onehot(target))`` (``soft``: that softmax if already made,
+    else remade from ``st.hard_max``/``st.hard_log_s``), times each row's ``weight`` -- exactly 0
+    where the weight is 0 -- in ``out_dtype`` (default ``s.dtype``)."""
+    cdt = g.dtype
     if spec.hard:
-        soft = q if not spec.hard_apart else torch.exp(_log_probs(_scaled(s, 1.0, cdt), st.hard_max, st.hard_log_s))
+        if soft is None:
+            soft = torch.exp(_log_probs(_scaled(s, 1.0, cdt), st.hard_max, st.hard_log_s))
         g = g + spec.hard_weight * soft
         if g.shape[-1] > 0:
             hit = torch.where(owned, torch.full_like(st.hard_max, -spec.hard_weight), torch.zeros_like(st.hard_max))

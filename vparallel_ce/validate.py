@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 import struct
 import zlib
 from collections.abc import Callable
@@ -27,12 +28,13 @@ from .layout import VocabLayout, shard_sizes
 from .options import Options
 from .divergence import DIVERGENCES
 from .policy import DEFAULT_POLICY, ChunkPolicy
-from .stats import REDUCTIONS
+from .stats import REDUCTIONS, compute_dtype
+from .topk import TAIL_MODES
 
 __all__ = [
     "Problem", "InvalidInputError", "DeferredTargetCheck", "check_options", "check_call_options", "check_logits",
-    "check_teacher", "check_linear", "check_linear_teacher", "agree", "Agreement", "Facts", "target_checksum",
-    "word_checksum", "hidden_checksum", "OPS", "SCHEDULES",
+    "check_teacher", "check_topk_teacher", "check_topk_values", "TOPK_SUM_TOL", "check_linear", "check_linear_teacher",
+    "agree", "Agreement", "Facts", "target_checksum", "word_checksum", "hidden_checksum", "OPS", "SCHEDULES",
 ]
 
 SCHEDULES = ("auto", "token", "vocab")
@@ -240,7 +242,9 @@ def check_logits(logits, target) -> Problem | None:
 
 def check_teacher(student: torch.Tensor, teacher, *, target_given: bool, hard_weight: float) -> Problem | None:
     """The distillation's teacher logits against the (checked) student's local logits; and its
-    hard term's need for a target (``hard_weight`` is a checked option by now)."""
+    hard term's need for a target (``hard_weight`` is a checked option by now). The teacher's dtype
+    may differ from the student's (both are read in the statistics' dtype); the ranks must agree on
+    it (a fact of the exchange)."""
     problem = _check_float("teacher_logits", teacher)
     if problem is not None:
         return problem
@@ -259,6 +263,81 @@ def _hard_term_target(target_given: bool, hard_weight: float) -> Problem | None:
         return Problem(ValueError, f"hard_weight={hard_weight} mixes in the student's cross-entropy, which needs a "
                                    "target; pass target, or hard_weight=0.0")
     return None
+
+
+def check_topk_teacher(student: torch.Tensor, teacher, *, target_given: bool, hard_weight: float) -> Problem | None:
+    """A :class:`~vparallel_ce.topk.TopKTeacher`'s tensors against the (checked) student's local
+    logits: ``[..., k]`` integer ids and float log-probs over the student's token dims. Their values
+    are checked after the exchange (:func:`check_topk_values`)."""
+    ids, logprobs = teacher.ids, teacher.logprobs
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        what = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
+        return Problem(TypeError, f"TopKTeacher.ids must be a torch.int64 or torch.int32 tensor, got {what}")
+    problem = _check_float("TopKTeacher.logprobs", logprobs)
+    if problem is not None:
+        return problem
+    if teacher.tail not in TAIL_MODES:
+        return Problem(ValueError, f"TopKTeacher.tail must be one of {TAIL_MODES}, got {teacher.tail!r}")
+    token_dims = tuple(student.shape[:-1])
+    if ids.dim() < 1 or tuple(ids.shape[:-1]) != token_dims or ids.shape[-1] < 1:
+        return Problem(InvalidInputError, f"TopKTeacher.ids shape {tuple(ids.shape)} is not [*token dims, k] with "
+                                          f"k >= 1 for student_logits {tuple(student.shape)} (token dims {token_dims})")
+    if tuple(logprobs.shape) != tuple(ids.shape):
+        return Problem(InvalidInputError, f"TopKTeacher.logprobs shape {tuple(logprobs.shape)} does not match its ids "
+                                          f"{tuple(ids.shape)}")
+    if ids.device != student.device or logprobs.device != student.device:
+        return Problem(ValueError, f"TopKTeacher is on {ids.device}/{logprobs.device} but student_logits on "
+                                   f"{student.device}")
+    return _hard_term_target(target_given, hard_weight)
+
+
+# how far the teacher's top-k probabilities may sum above 1 (rounding of the stored log-probs)
+# before a BUCKET teacher is refused: its tail is then clamped to 0
+TOPK_SUM_TOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+def check_topk_values(ids: torch.Tensor, logprobs: torch.Tensor, valid: torch.Tensor | None, vocab_size: int,
+                      tail) -> None:
+    """A sparse teacher's ``[N, k]`` values on the tokens that count (``valid``; None: all): ids in
+    ``[0, V)`` and distinct within a row, log-probs ``<= 0`` (not nan), with ``BUCKET`` their
+    probabilities summing to at most ``1 + TOPK_SUM_TOL``, with ``RENORMALIZE`` some mass in each
+    row. Raises :class:`InvalidInputError`. Called once the ranks agree on these values (the
+    exchange compares their checksums), so every rank raises the same error; one host read."""
+    if ids.numel() == 0:
+        return
+    rows = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device) if valid is None else valid
+    keep = rows.unsqueeze(-1)
+    out = ~((ids >= 0) & (ids < vocab_size)) & keep
+    ordered = ids.sort(-1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & keep
+    positive = ~(logprobs <= 0) & keep
+    lse = torch.logsumexp(logprobs.to(compute_dtype(logprobs.dtype)), -1)
+    if tail == "bucket":
+        over = (lse > math.log1p(TOPK_SUM_TOL.get(logprobs.dtype, 1e-5))) & rows
+    else:
+        over = (lse == float("-inf")) & rows
+    flags = torch.stack([out.any(), repeated.any(), positive.any(), over.any()]).tolist()
+    if not any(flags):
+        return
+    if flags[0]:
+        bad = ids[out][0].item()
+        raise InvalidInputError(f"TopKTeacher.ids hold id(s) outside [0, {vocab_size}) on tokens that count (e.g. "
+                                f"{bad}); pass check=False to skip this check")
+    if flags[1]:
+        row = repeated.any(-1).nonzero()[0, 0].item()
+        raise InvalidInputError(f"TopKTeacher.ids repeat an id within a token's row (token {row}: "
+                                f"{ids[row].tolist()[:16]}): the top-k ids must be distinct")
+    if flags[2]:
+        bad = logprobs[positive][0].item()
+        raise InvalidInputError(f"TopKTeacher.logprobs must be log-probabilities (<= 0, not nan), got {bad}")
+    row = over.nonzero()[0, 0].item()
+    if tail == "bucket":
+        raise InvalidInputError(f"TopKTeacher probabilities exp(logprobs) sum to {math.exp(lse[row].item()):.6g} > 1 "
+                                f"on token {row}: with tail='bucket' they must leave a tail mass >= 0 (pass the "
+                                "teacher's log-probabilities at the distillation temperature, log_softmax(logits / T), "
+                                "or tail='renormalize')")
+    raise InvalidInputError(f"TopKTeacher.logprobs of token {row} are all -inf: with tail='renormalize' a token needs "
+                            "some teacher mass on its ids")
 
 
 def check_linear(hidden, weight, target, bias, *, autocast_dtype: torch.dtype | None,
@@ -439,6 +518,14 @@ class Facts:
     hard_weight: int = _shown(_show_float)
     # distillation without a target counts every token; with one, ignore_index decides
     target_given: int = _shown(lambda c: str(bool(c)))
+    # the distillation's teacher: its logits' (or top-k log-probs') dtype -- it may differ from the
+    # student's, but not from rank to rank -- and for a top-k teacher its k, tail mode and values,
+    # which decide the per-chunk all-reduce's size and every rank's loss (-1 / 0: dense or no teacher)
+    teacher_dtype: int = _shown(_show_dtype)
+    teacher_k: int = _shown(lambda c: "dense logits" if c < 0 else str(c))
+    teacher_tail: int = _shown(lambda c: "None" if c < 0 else _show_choice(TAIL_MODES)(c))
+    teacher_ids_checksum: object = _shown(lambda c: f"{c:#x}")
+    teacher_logprobs_checksum: object = _shown(lambda c: f"{c:#x}")
     # the lm_head matmuls' dtype (torch.autocast's inside it): it decides the plan and the kernels
     matmul_dtype: int = _shown(_show_dtype)
     # the logits' dtype as asked (None: the matmul dtype): it decides their precision and the plan's memory
@@ -454,11 +541,12 @@ class Facts:
     @classmethod
     def of(cls, *, op: str, options: Options, inputs: tuple, target: torch.Tensor, target_checksum,
            hidden_checksum=_NO_FACT, fused: bool = False, matmul_dtype: torch.dtype | None = None,
-           target_given: bool = True) -> "Facts":
+           target_given: bool = True, teacher=None) -> "Facts":
         """``inputs``: the op's float inputs, ``(logits,)`` or ``(hidden, weight, bias)``;
         ``fused``, ``matmul_dtype``: the linear ops' kernels and lm_head matmul dtype (False and
         None for the logits ops); ``target_given``: False for a distillation without a target
-        (``target`` is then a stand-in of zeros)."""
+        (``target`` is then a stand-in of zeros); ``teacher``: the distillation's (checked) teacher,
+        its logits or a :class:`~vparallel_ce.topk.TopKTeacher`, else None."""
         o = options
         first, weight, bias = (*inputs, None, None)[:3]
         grads = int(torch.is_grad_enabled())
@@ -474,11 +562,23 @@ class Facts:
             _float_code(o.label_smoothing), _float_code(o.z_loss),
             _NO_SOFTCAP if o.softcap is None else _float_code(o.softcap), _float_code(o.temperature),
             int(o.with_entropy), DIVERGENCES.index(o.divergence), _float_code(o.beta), _float_code(o.hard_weight),
-            int(target_given), _dtype_code(matmul_dtype), _dtype_code(o.logits_dtype), _policy_code(o.policy),
+            int(target_given), *_teacher_codes(teacher), _dtype_code(matmul_dtype), _dtype_code(o.logits_dtype),
+            _policy_code(o.policy),
             target.numel(), target_checksum, hidden_checksum)
 
     def row(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+
+def _teacher_codes(teacher) -> tuple:
+    """``(dtype, k, tail, ids checksum, logprobs checksum)`` of a distillation's teacher."""
+    if teacher is None:
+        return -1, -1, -1, _NO_FACT, _NO_FACT
+    if isinstance(teacher, torch.Tensor):
+        return _dtype_code(teacher.dtype), -1, -1, _NO_FACT, _NO_FACT
+    ids, logprobs = teacher.ids, teacher.logprobs
+    return (_dtype_code(logprobs.dtype), ids.shape[-1], TAIL_MODES.index(teacher.tail),
+            target_checksum(ids.reshape(-1).to(torch.int64)), hidden_checksum(logprobs))
 
 
 _NO_COUNT = -(2**63)  # num_valid_tokens=None: no count, negative or not, has this code
@@ -625,6 +725,9 @@ def _check_facts(rows: list[list[int]], group, policy) -> None:
         per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
         hint = {
             "target_checksum": "every rank must pass the same target ids in the same order",
+            "teacher_ids_checksum": "every rank must pass the same TopKTeacher ids (global vocab ids, not this "
+                                    "rank's shard of them)",
+            "teacher_logprobs_checksum": "every rank must pass the same TopKTeacher logprobs",
             "hidden_checksum": "hidden (and linear_distillation_loss's teacher_hidden) must be replicated over the "
                                "group (the same values on every rank); a "
                                "token-sharded hidden needs sequence_parallel=True. Inside a "
