@@ -20,6 +20,7 @@ from tests.dist import errors_of, run_ranks
 from tests.reference import shard
 
 V, H, ROW = 521, 32, 137
+TILE = 128
 # (tokens in the call, the row's position in it): alone, then inside two other batches
 CONTEXTS = ((1, 0), (300, ROW), (130, 5))
 CHUNKS = (1, 3, "auto")
@@ -48,37 +49,37 @@ def _ops(rank, world, group, dtype, weight):
         return torch.full((t.numel(),), 0.75)
 
     def logits_op(name):
-        def run(h, t, chunks):
+        def run(h, t, chunks, invariant=True):
             # the logits themselves made row by row in float64 (a GEMM of N rows is what this mode
             # avoids inside the ops: the test's input must not depend on N either)
             x = shard(torch.stack([r @ weight.t() for r in h]), world, rank).to(dtype).requires_grad_()
             u = upstream(t)
             if name == "token_logprobs":
                 lp, ent = vparallel_ce.token_logprobs(x, t, group=group, with_entropy=True, chunks=chunks,
-                                                      temperature=0.8, batch_invariant=True)
+                                                      temperature=0.8, batch_invariant=invariant)
                 (lp * u + 0.3 * ent * u).sum().backward()
                 outs = (lp, ent)
             else:
                 loss = vparallel_ce.cross_entropy(x, t, group=group, reduction="none", chunks=chunks,
-                                                  label_smoothing=0.1, batch_invariant=True)
+                                                  label_smoothing=0.1, batch_invariant=invariant)
                 (loss * u).sum().backward()
                 outs = (loss,)
             return outs, x.grad
         return run
 
     def linear_op(name):
-        def run(h, t, chunks):
+        def run(h, t, chunks, invariant=True):
             hh = h.to(dtype).requires_grad_()
             ww = w.detach().clone().requires_grad_()
             u = upstream(t)
             if name == "linear_token_logprobs":
                 lp, ent = vparallel_ce.linear_token_logprobs(hh, ww, t, group=group, with_entropy=True,
-                                                             chunks=chunks, batch_invariant=True)
+                                                             chunks=chunks, batch_invariant=invariant)
                 (lp * u - 0.2 * ent * u).sum().backward()
                 outs = (lp, ent)
             else:
                 loss = vparallel_ce.linear_cross_entropy(hh, ww, t, group=group, reduction="none", chunks=chunks,
-                                                         z_loss=1e-3, batch_invariant=True)
+                                                         z_loss=1e-3, batch_invariant=invariant)
                 (loss * u).sum().backward()
                 outs = (loss,)
             return outs, hh.grad
@@ -140,6 +141,12 @@ def _invariance(rank, world, group, dtype_name):
             outs, grad = op(h, t, chunks)
             mine = tuple(o[pos] for o in outs) + (grad[pos],)
             where = f"{name} {dtype_name} TP{world} N={n} pos={pos} chunks={chunks}"
+            if n > 2 * TILE and chunks == 3:  # every row of every tile, padded last one included
+                default_outs, default_grad = op(h, t, chunks, invariant=False)
+                for i, (got, want) in enumerate(zip((*outs, grad), (*default_outs, default_grad))):
+                    err = (got.double() - want.double()).abs().max().item() / want.double().abs().max().item()
+                    if not err <= TOL[dtype] * 4:
+                        failures.append(f"{where}: output {i} off the default mode's by {err:.2e}")
             if seen is None:
                 seen, first = mine, where
                 # right, not only invariant: the float64 reference of the same (rounded) inputs
@@ -237,3 +244,34 @@ def test_no_triton_or_fused_kernel_runs_in_this_mode(monkeypatch):
         lce = vparallel_ce.linear_cross_entropy(h, w, t, batch_invariant=True)
         (lp.sum() + ce.sum() + llp.sum() + lce).backward()
     assert x.grad is not None and h.grad is not None and w.grad is not None
+
+
+def empty_shard_rank(rank, world):
+    """V=4 over 3 ranks: shards of 2, 2 and 0 columns; the mode against the default one."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(150, 6, generator=g), torch.randn(4, 6, generator=g)
+    t = torch.randint(0, 4, (150,), generator=g)
+    w = shard(weight, world, rank, 0)
+    x = hidden @ w.t()
+    failures = []
+    for name, f in {
+        "token_logprobs": lambda inv: vparallel_ce.token_logprobs(x, t, group=group, with_entropy=True,
+                                                                  batch_invariant=inv)[1],
+        "cross_entropy": lambda inv: vparallel_ce.cross_entropy(x, t, group=group, reduction="none",
+                                                                batch_invariant=inv),
+        "linear_token_logprobs": lambda inv: vparallel_ce.linear_token_logprobs(hidden, w, t, group=group,
+                                                                                batch_invariant=inv),
+        "linear_cross_entropy": lambda inv: vparallel_ce.linear_cross_entropy(hidden, w, t, group=group,
+                                                                              batch_invariant=inv),
+    }.items():
+        if not torch.allclose(f(True), f(False), rtol=1e-5, atol=1e-6):
+            failures.append(f"{name} rank {rank} (local vocab {w.shape[0]})")
+    return failures
+
+
+def test_empty_shards():
+    failures = [f for per_rank in run_ranks(empty_shard_rank, 3) for f in per_rank]
+    assert not failures, failures
