@@ -23,7 +23,7 @@ all three:
   (:func:`vparallel_ce.comm.all_reduce_sum_rank_ordered`); the MAX all-reduce stays (exact).
 
 The lm_head GEMMs run through torch (``F.linear``/``mm`` of one tile), never the Triton kernels:
-cuBLAS's choice for a fixed shape is fixed, the fused kernels autotune per shape. Sums over TOKENS
+cuBLAS's choice for a fixed shape is fixed, the fused kernels pick their tile schedule by shape. Sums over TOKENS
 (``weight.grad``, ``bias.grad``, a ``mean``/``sum`` loss) are deterministic for a given batch but,
 by nature, not batch invariant. ``docs/rl.md`` ("Batch invariance") states what is guaranteed.
 """
