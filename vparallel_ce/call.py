@@ -23,11 +23,11 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import comm, kernels, policy as _policy
+from . import comm, invariant, kernels, policy as _policy
 from .divergence import Divergence
 from .layout import VocabLayout
 from .policy import DistillShape, Plan
@@ -68,6 +68,8 @@ class Call:
         pending: the world-1 target check, settled by the op's forward once its kernels are queued,
             or by its backward (:meth:`settle_forward`); None on a group, where the exchange
             checked the targets.
+        batch_invariant: every sum in an order independent of the call's other tokens
+            (:mod:`vparallel_ce.invariant`): fixed-shape tiles, rank-ordered SUMs, torch kernels.
     """
 
     layout: VocabLayout
@@ -82,6 +84,17 @@ class Call:
     kernels: kernels.KernelSettings = field(default_factory=kernels.settings)
     divisor: torch.Tensor | None = None
     pending: DeferredTargetCheck | None = field(default=None, compare=False, repr=False)
+    batch_invariant: bool = False
+
+    def ops(self, x: torch.Tensor) -> kernels.KernelBackend:
+        """The per-chunk steps for tensors like ``x``: :data:`vparallel_ce.invariant.OPS` in the
+        batch-invariant mode, else :func:`vparallel_ce.kernels.ops_for` under the call's settings."""
+        return invariant.OPS if self.batch_invariant else kernels.ops_for(x, self.kernels)
+
+    @property
+    def tile(self) -> int:
+        """Token chunks are whole tiles of this many rows (1: any rows)."""
+        return invariant.TILE_ROWS if self.batch_invariant else 1
 
     def settle(self) -> None:
         """Raise the deferred target check's error, if any."""
@@ -158,7 +171,7 @@ def logits_call(logits, target, *, op: str, group, options: Options, more_checks
     plan = (o.policy or _policy.DEFAULT_POLICY).plan(n, lay.vocab_size, lay.world, reduction=o.reduction,
                                                       chunks=o.chunks, distillation=distillation)
     call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, counts=(n,), divisor=_divisor(o, logits.device),
-                pending=agreed.pending)
+                pending=agreed.pending, batch_invariant=o.batch_invariant)
     return call, LogitsInputs(_rows(logits, n, lay.local_size), _flat(target), target.shape)
 
 
@@ -228,6 +241,8 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
     sp = o.sequence_parallel is True
     matmul = _matmul_dtype(weight, amp) if problem is None else None
     chosen = kernels.settings()
+    if o.batch_invariant is True:  # fixed-shape torch GEMMs: never the per-shape fused kernels
+        chosen = replace(chosen, choice=kernels.KernelChoice.TORCH, fused=False)
     fused = problem is None and kernels.fused_applies(weight.device, matmul, entropy=o.with_entropy,
                                                       temperature=float(o.temperature), current=chosen)
 
@@ -252,12 +267,17 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
         counts = agreed.counts
     else:  # check=False with a known vocab size: no exchange so far
         counts = tuple(row[0] for row in comm.all_gather_ints([n], lay.group, weight.device))
-    plan = (o.policy or _policy.DEFAULT_POLICY).plan(
-        sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1], reduction=o.reduction, chunks=o.chunks,
-        schedule=o.schedule, recompute=o.recompute, fused=fused, logits_dtype=logits,
-        distillation=None if distillation is None else distillation(weight))
+    policy = o.policy or _policy.DEFAULT_POLICY
+    if o.batch_invariant:
+        plan = invariant.plan(policy, sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1],
+                              reduction=o.reduction, chunks=o.chunks, logits_dtype=logits)
+    else:
+        plan = policy.plan(sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1],
+                           reduction=o.reduction, chunks=o.chunks, schedule=o.schedule, recompute=o.recompute,
+                           fused=fused, logits_dtype=logits,
+                           distillation=None if distillation is None else distillation(weight))
     call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, sp, counts, matmul, logits, chosen,
-                _divisor(o, weight.device), pending)
+                _divisor(o, weight.device), pending, o.batch_invariant)
     inputs = LinearInputs(_rows(hidden, n, weight.shape[-1]), weight, bias, _flat(target), target.shape)
     return call, inputs
 

@@ -3,7 +3,9 @@
 "Which ranks talk, how often, how many bytes" is answerable here:
 
 * per token chunk of a loss: one all-reduce MAX and one all-reduce SUM of ``O(chunk tokens)`` floats
-  (:func:`all_reduce_max_`, :func:`all_reduce_sum_`);
+  (:func:`all_reduce_max_`, :func:`all_reduce_sum_`); with ``batch_invariant=True`` the SUM is an
+  all-gather of ``O(world * chunk tokens)`` floats added in rank order
+  (:func:`all_reduce_sum_rank_ordered`), and so is the linear ops' hidden gradient, chunk by chunk;
 * once per call: an all-gather of a fixed number of integers (shard sizes, target range and the
   agreement's facts, :func:`all_gather_ints`), skipped with ``check=False`` when the global vocab
   size is known; only where that finds a bad input or a disagreement, an all-gather of each rank's
@@ -25,6 +27,7 @@ import torch.distributed as dist
 
 __all__ = [
     "resolve_group", "world_size", "rank", "is_sharded", "backend", "all_reduce_max_", "all_reduce_sum_",
+    "all_reduce_sum_rank_ordered",
     "broadcast_", "all_gather_ints", "all_gather_objects", "all_gather_rows", "all_gather_last_dim",
     "reduce_scatter_rows",
 ]
@@ -85,6 +88,22 @@ def all_reduce_sum_(t: torch.Tensor, group) -> torch.Tensor:
     if is_sharded(group):
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
+
+
+def all_reduce_sum_rank_ordered(t: torch.Tensor, group) -> torch.Tensor:
+    """The sum of ``t`` over the group, added in rank order: ``((t_0 + t_1) + t_2) + ...`` on every
+    rank, whatever the message size. A SUM all-reduce's order is the backend's (NCCL's ring or
+    tree, chunked by message size), so an element's rounding would depend on how many elements
+    travel with it; this all-gathers ``[world, *t.shape]`` (``world`` times the bytes) and adds
+    locally. Returns a new tensor (``t`` itself on one rank)."""
+    if not is_sharded(group):
+        return t
+    parts = [torch.empty_like(t) for _ in range(world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    total = parts[0]
+    for p in parts[1:]:  # elementwise, one rank at a time: the order is the rank order
+        total += p
+    return total
 
 
 def broadcast_(t: torch.Tensor, group, src_group_rank: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import compiled, kernels
+from . import compiled
 from .second_order import first_order_only
 from .call import Call, autocast_off, logits_call, settles_check
 from .options import Options
@@ -40,6 +40,7 @@ def cross_entropy(
     chunks: int | str = "auto",
     policy: ChunkPolicy | None = None,
     check: bool = True,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     r"""Cross-entropy of logits whose vocab dim is sharded over ``group``.
 
@@ -66,6 +67,11 @@ def cross_entropy(
             lies in ``[0, V)``, raising on every rank (one host sync per call). ``False`` skips both;
             then ``vocab_size`` (or a DTensor) must tell ``V``, and an out-of-range id gives a
             silently wrong loss.
+        batch_invariant: each token's loss (``reduction="none"``) and its row of the gradient are
+            bitwise the same whatever the other tokens of the call, their number and ``chunks``:
+            the rows are processed in fixed 128-row tiles with vocab sums in a fixed order, and
+            the ranks' partials are added in rank order (``docs/rl.md``, "Batch invariance";
+            :mod:`vparallel_ce.invariant`). Slower; the same on every rank (checked).
 
     Returns:
         fp32 loss (fp64 for fp64 logits), a plain tensor even for DTensor input: a scalar for
@@ -75,7 +81,7 @@ def cross_entropy(
     """
     options = Options(reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
                       num_valid_tokens=num_valid_tokens, z_loss=z_loss, softcap=softcap, chunks=chunks, policy=policy,
-                      vocab_size=vocab_size, check=check)
+                      vocab_size=vocab_size, check=check, batch_invariant=batch_invariant)
     if torch.compiler.is_compiling():  # one custom op in the graph (vparallel_ce.compiled)
         out, shape = compiled.apply("cross_entropy", (logits, target, None, None), group, options)
     else:
@@ -90,11 +96,11 @@ def logits_statistics(x: torch.Tensor, target: torch.Tensor, call: Call) -> tupl
     ``(local_t, owned, valid)`` (:func:`~vparallel_ce.stats.local_targets`; the backward's
     :func:`logits_gradient` takes them again rather than launching their kernels twice)."""
     lay, spec = call.layout, call.spec
-    ops = kernels.ops_for(x, call.kernels)
+    ops = call.ops(x)
     targets = local_targets(target, lay.offset, lay.local_size, spec.ignore_index, all_owned=call.all_owned)
     local_t, owned, _ = targets
-    parts = [combine(ops.local_stats(x[sl], local_t[sl], owned[sl], spec), lay)
-             for sl in token_slices(x.shape[0], call.plan.chunks)]
+    parts = [combine(ops.local_stats(x[sl], local_t[sl], owned[sl], spec), lay, rank_ordered=call.batch_invariant)
+             for sl in token_slices(x.shape[0], call.plan.chunks, tile=call.tile)]
     st = TokenStats(*(None if f[0] is None else torch.cat(f) for f in zip(*parts)))
     return st, targets
 
@@ -104,10 +110,10 @@ def logits_gradient(x: torch.Tensor, targets: tuple, shift: torch.Tensor, coefs:
     """The gradient pass: ``d obj / d x`` chunk by chunk for the per-token global max ``shift`` and
     coefficients ``coefs`` of all ``N`` tokens, in the logits' dtype; ``targets``: the forward's
     ``(local_t, owned, valid)``. Local, no collective."""
-    ops = kernels.ops_for(x, call.kernels)
+    ops = call.ops(x)
     local_t, owned, _ = targets
     dx = torch.empty_like(x)
-    for sl in token_slices(x.shape[0], call.plan.chunks):
+    for sl in token_slices(x.shape[0], call.plan.chunks, tile=call.tile):
         part = GradCoefs(*(None if k is None else k[sl] for k in coefs))
         dx[sl] = ops.grad_logits(x[sl], local_t[sl], owned[sl], shift[sl], part, call.spec)
     return dx

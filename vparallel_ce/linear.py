@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import comm, compiled, kernels, policy as _policy
+from . import comm, compiled, invariant, policy as _policy
 from .policy import GradMode
 from .second_order import first_order_only
 from .call import Call, autocast_off, linear_call, settles_check
@@ -78,6 +78,7 @@ def linear_cross_entropy(
     check: bool = True,
     check_replicated: bool = True,
     logits_dtype: torch.dtype | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     r"""``cross_entropy(hidden @ weight.T + bias, target)`` with ``weight`` sharded along the vocab.
 
@@ -113,6 +114,12 @@ def linear_cross_entropy(
             gradient are made from the GEMM's fp32 result, never rounded (a no-op for fp32/fp64
             matmuls); the gradient GEMMs still take that gradient in the matmul dtype. See
             ``docs/rl.md`` ("Precision of the logits") for what it costs.
+        batch_invariant: as in :func:`vparallel_ce.cross_entropy`, for the per-token loss and each
+            token's row of ``hidden.grad``: the lm_head GEMMs run through torch one 128-row tile at a
+            time (never the fused kernels), token chunks are whole tiles and the logits are
+            recomputed in backward (``schedule`` and ``recompute`` are overridden); the hidden
+            gradient is summed over the group in rank order. ``weight.grad``/``bias.grad`` sum over
+            tokens and are not batch invariant. Not with ``sequence_parallel``.
 
     Returns:
         fp32 loss (fp64 for fp64 inputs): scalar for mean/sum, per-token for none. Gradients, each in
@@ -123,7 +130,7 @@ def linear_cross_entropy(
                       num_valid_tokens=num_valid_tokens, z_loss=z_loss, softcap=softcap, chunks=chunks,
                       schedule=schedule, recompute=recompute, policy=policy, vocab_size=vocab_size,
                       sequence_parallel=sequence_parallel, check=check, check_replicated=check_replicated,
-                      logits_dtype=logits_dtype)
+                      logits_dtype=logits_dtype, batch_invariant=batch_invariant)
     if torch.compiler.is_compiling():  # one custom op in the graph (vparallel_ce.compiled)
         out, shape = compiled.apply("linear_cross_entropy", (hidden, weight, target, bias), group, options)
     else:
@@ -147,7 +154,7 @@ class Rows:
             self.local = per_rank[lay.rank]
             self.height = [max(s[c].stop - s[c].start for s in per_rank) for c in range(k)]
         else:
-            self.local = token_slices(call.counts[0], chunks)
+            self.local = token_slices(call.counts[0], chunks, tile=call.tile)
             self.height = [s.stop - s.start for s in self.local]
 
     def __len__(self):
@@ -192,6 +199,13 @@ def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate:
 
 
 _CUDA_ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` as a new ``dtype`` tensor, rounded once (:func:`_mm_into`)."""
+    out = torch.empty((a.shape[0], b.shape[1]), dtype=dtype, device=a.device)
+    _mm_into(out, a, b, accumulate=False)
+    return out
 
 
 def _grad_in_place(ops, x, local_t, owned, shift, coefs, spec):
@@ -239,7 +253,9 @@ class Grads:
         need_h, need_w, need_b = need
         lay = rows.call.layout
         self.dtypes = (h.dtype, w.dtype, None if b is None else b.dtype)
-        self.dh_direct = len(rows) == 1 and len(schedule.blocks) == 1 and not lay.sharded
+        # batch invariant: one path whatever the chunk count (fp32 sums, dh by tiles, rank-ordered)
+        self.invariant = rows.call.batch_invariant
+        self.dh_direct = len(rows) == 1 and len(schedule.blocks) == 1 and not lay.sharded and not self.invariant
         self.dw_accumulate = len(rows) > 1
         self.dh = self.dw = self.db = None
         if need_h:
@@ -265,7 +281,9 @@ class Grads:
         if self.db is not None:
             self.db[blk] += dx.to(self.db.dtype).sum(0)
         dx = matmul_operand(dx, h_c.dtype)
-        if dh_rows is not None:
+        if dh_rows is not None and self.invariant:
+            invariant.add_rows_by_tiles(dh_rows, lambda tile: _mm(tile, w_blk, dh_rows.dtype), dx)
+        elif dh_rows is not None:
             _mm_into(dh_rows, dx, w_blk, accumulate=not self.dh_direct)
         if self.dw is not None:
             _mm_into(_part(self.dw, blk), dx.t(), h_c, accumulate=self.dw_accumulate)
@@ -276,7 +294,10 @@ class Grads:
 
     def finish(self, rows: Rows) -> tuple:
         """Sum the replicated hidden's partial ``dh`` over the group; the gradients in the inputs' dtypes."""
-        if self.dh is not None and not rows.call.sequence_parallel:
+        if self.dh is not None and self.invariant and rows.call.layout.sharded:  # world x one chunk's rows at a time
+            for sl in rows.local:
+                self.dh[sl] = comm.all_reduce_sum_rank_ordered(self.dh[sl], rows.call.layout.group)
+        elif self.dh is not None and not rows.call.sequence_parallel and not self.invariant:
             comm.all_reduce_sum_(self.dh, rows.call.layout.group)
         return tuple(g if g is None or g.dtype == dt else g.to(dt)
                      for g, dt in zip((self.dh, self.dw, self.db), self.dtypes))
@@ -349,7 +370,8 @@ class Schedule:
         is queued before the targets' small kernels, whose launches then overlap it."""
         if not self.keep_logits and self.fused(ops, call, h_c, w):
             local_t, owned, _ = targets()
-            return combine(ops.fused.stats(h_c, w, b, local_t, owned, call.spec), call.layout), []
+            return combine(ops.fused.stats(h_c, w, b, local_t, owned, call.spec), call.layout,
+                           rank_ordered=call.batch_invariant), []
         acc, kept = None, []
         for blk in self.blocks:
             x = logits(call, h_c, _part(w, blk), None if b is None else _part(b, blk))
@@ -360,7 +382,7 @@ class Schedule:
             if self.keep_logits:
                 kept.append(x)
             del x  # else the next block's logits are allocated while this one's are still alive
-        return combine(acc, call.layout), kept
+        return combine(acc, call.layout, rank_ordered=call.batch_invariant), kept
 
     def gradients(self, call: Call, ops, rows: Rows, c: int, h_c, w, b, local_t, owned, shift, coefs,
                   kept: list, grads: Grads) -> None:
@@ -403,7 +425,12 @@ def logits(call: Call, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None)
     output variant where the device has it (CUDA), else from operands upcast to fp32 here (CPU:
     exact products of bf16/fp16 values summed in fp32; the cost is an fp32 copy of this block of
     ``w`` and of ``h``'s rows per GEMM, and the slower fp32 GEMM). The bias is added in fp32."""
-    wide = call.logits_dtype
+    if call.batch_invariant:  # one fixed-shape GEMM per tile: its kernel does not change with N
+        return invariant.rows_by_tiles(lambda tile: _logits(call.logits_dtype, tile, w, b), h)
+    return _logits(call.logits_dtype, h, w, b)
+
+
+def _logits(wide: torch.dtype | None, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     if wide is None:
         return F.linear(h, w, b)
     if h.is_cuda and _CUDA_MM_OUT_DTYPE:
@@ -498,7 +525,7 @@ class ChunkSaved:
         if self.coefs is None:
             st, t_c, n_valid = self.unit
             valid = t_c != call.spec.ignore_index
-            self.coefs = unit_loss_coefs(combine(st, call.layout), valid, n_valid, call.reduction, call.spec)
+            self.coefs = unit_loss_coefs(combine(st, call.layout, rank_ordered=call.batch_invariant), valid, n_valid, call.reduction, call.spec)
         return self.coefs
 
 
@@ -527,7 +554,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with autocast_off(h.device.type):
             spec = call.spec
             hm, wm, bm = matmul_inputs(call, h, w, b)
-            ops = kernels.ops_for(wm, call.kernels)
+            ops = call.ops(wm)
             sched = Schedule.of(call, keep_logits=Backward.keeps_logits(call, need))
             saved = Saved(call, Backward.of(call, need, b, sched), need)
             mode = saved.mode
@@ -581,7 +608,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         h, w, b, t = ctx.saved_tensors
         with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
-            ops = kernels.ops_for(wm, call.kernels)
+            ops = call.ops(wm)
             kept_chunks = saved.kept.take()  # empty on a second backward of the graph: it recomputes
             if saved.mode is Backward.UNIT_LOGITS and kept_chunks:
                 g = grad_out

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from . import compiled, kernels
+from . import compiled
 from .second_order import first_order_only
 from .call import Call, autocast_off, linear_call, logits_call, settles_check
 from .options import Options
@@ -46,6 +46,7 @@ def token_logprobs(
     chunks: int | str = "auto",
     policy: ChunkPolicy | None = None,
     check: bool = True,
+    batch_invariant: bool = False,
 ):
     r"""``log_softmax(logits / temperature)[target]`` per token, from logits sharded along the vocab.
 
@@ -56,14 +57,15 @@ def token_logprobs(
             a value (their outputs and gradients are 0).
         temperature: ``T > 0``; the distribution is ``softmax(logits / T)``.
         with_entropy: also return the entropy of that distribution per token.
-        group, vocab_size, chunks, policy, check: as in :func:`vparallel_ce.cross_entropy`.
+        group, vocab_size, chunks, policy, check, batch_invariant: as in :func:`vparallel_ce.cross_entropy`
+            (``docs/rl.md``, "Batch invariance").
 
     Returns:
         ``logprobs`` of ``target``'s shape, fp32 (fp64 for fp64 logits); with ``with_entropy`` the
         pair ``(logprobs, entropy)``. Equal to ``-cross_entropy(logits / T, target, reduction="none")``.
     """
     options = Options(reduction="none", ignore_index=ignore_index, temperature=temperature, with_entropy=with_entropy,
-                      chunks=chunks, policy=policy, vocab_size=vocab_size, check=check)
+                      chunks=chunks, policy=policy, vocab_size=vocab_size, check=check, batch_invariant=batch_invariant)
     if torch.compiler.is_compiling():  # one custom op in the graph (vparallel_ce.compiled)
         (logp, entropy), shape = compiled.apply("token_logprobs", (logits, target, None, None), group, options)
     else:
@@ -90,6 +92,7 @@ def linear_token_logprobs(
     check: bool = True,
     check_replicated: bool = True,
     logits_dtype: torch.dtype | None = None,
+    batch_invariant: bool = False,
 ):
     r""":func:`token_logprobs` of ``hidden @ weight.T + bias`` without materialising the
     ``[N, V_local]`` logits: the statistics pass of :func:`vparallel_ce.linear_cross_entropy` in
@@ -107,6 +110,7 @@ def linear_token_logprobs(
             with an inference engine's fp32-logit log-probs needs (``docs/rl.md``, "Precision of the
             logits"); ``None`` (default): logits in the matmul dtype. As in
             :func:`vparallel_ce.linear_cross_entropy`.
+        batch_invariant: as in :func:`vparallel_ce.linear_cross_entropy`.
 
     Returns:
         As :func:`token_logprobs`: fp32 (fp64 for fp64 inputs) per-token values of ``target``'s
@@ -115,7 +119,8 @@ def linear_token_logprobs(
     """
     options = Options(reduction="none", ignore_index=ignore_index, temperature=temperature, with_entropy=with_entropy,
                       chunks=chunks, policy=policy, vocab_size=vocab_size, sequence_parallel=sequence_parallel,
-                      check=check, check_replicated=check_replicated, logits_dtype=logits_dtype)
+                      check=check, check_replicated=check_replicated, logits_dtype=logits_dtype,
+                      batch_invariant=batch_invariant)
     if torch.compiler.is_compiling():  # one custom op in the graph (vparallel_ce.compiled)
         (logp, entropy), shape = compiled.apply("linear_token_logprobs", (hidden, weight, target, bias), group,
                                                 options)
@@ -177,7 +182,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
     def forward(ctx, h, w, b, t, call: Call):
         with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
-            ops = kernels.ops_for(wm, call.kernels)
+            ops = call.ops(wm)
             need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
             keep = Schedule.keeps_for_backward(call, need)
             sched = Schedule.of(call, keep_logits=keep)
@@ -217,7 +222,7 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             return None, None, None, None, None
         with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
-            ops = kernels.ops_for(wm, call.kernels)
+            ops = call.ops(wm)
             sched = Schedule.of(call, keep_logits=False)
             rows = sched.rows(call)
             grads = Grads(h, w, b, need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)

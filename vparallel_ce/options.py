@@ -44,6 +44,8 @@ class Options:
             bf16-rounded logits); ``torch.float32``, the GEMM's fp32 result, never rounded below
             fp32 (:func:`vparallel_ce.linear_token_logprobs`).
         check, check_replicated: the call's exchange and checks, and the replicated-hidden check.
+        batch_invariant: every per-token output (and each token's gradient row) bitwise the same
+            whatever the other tokens of the call (:mod:`vparallel_ce.invariant`).
     """
 
     reduction: str = "mean"
@@ -66,6 +68,7 @@ class Options:
     logits_dtype: torch.dtype | None = None
     check: bool = True
     check_replicated: bool = True
+    batch_invariant: bool = False
 
     def as_kwargs(self) -> dict:
         """The fields by name (what :func:`vparallel_ce.validate.check_options` takes)."""

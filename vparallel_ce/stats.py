@@ -148,8 +148,14 @@ def _transform(x: torch.Tensor, spec: LossSpec) -> torch.Tensor:
     return z
 
 
-def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, spec: LossSpec) -> ChunkStats:
-    """Step 1: one pass over a ``[c, V_block]`` block of logits (any float dtype)."""
+def _row_sum(a: torch.Tensor) -> torch.Tensor:
+    return a.sum(dim=-1)
+
+
+def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, spec: LossSpec, *,
+                row_sum=_row_sum) -> ChunkStats:
+    """Step 1: one pass over a ``[c, V_block]`` block of logits (any float dtype). ``row_sum``: the
+    per-row sum over the block (:func:`vparallel_ce.invariant.block_row_sum`: in a fixed order)."""
     z = _transform(x, spec)
     c, width = z.shape
     if width == 0:
@@ -159,12 +165,12 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
     m = z.amax(dim=-1)  # nan where the row holds a nan: it then reaches the sum-exp below
     u = z - finite_shift(m).unsqueeze(-1)
     e = torch.exp(u)
-    sumexp = e.sum(dim=-1)
+    sumexp = row_sum(e)
     picked = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
     tgt = torch.where(owned, picked, torch.zeros_like(picked))
-    total = z.sum(dim=-1) if spec.label_smoothing > 0 else torch.zeros_like(m)
+    total = row_sum(z) if spec.label_smoothing > 0 else torch.zeros_like(m)
     # a -inf logit (a masked vocab entry) has e = 0: its term is 0, not 0 * -inf
-    zexp = torch.where(e > 0, e * u, torch.zeros_like(u)).sum(dim=-1) if spec.entropy else None
+    zexp = row_sum(torch.where(e > 0, e * u, torch.zeros_like(u))) if spec.entropy else None
     return ChunkStats(m, sumexp, tgt, total, zexp)
 
 
@@ -203,15 +209,18 @@ def merge(a: ChunkStats, b: ChunkStats) -> ChunkStats:
     return ChunkStats(m, sumexp, a.target + b.target, a.sum + b.sum, zexp)
 
 
-def combine(stats: ChunkStats, layout) -> TokenStats:
-    """Steps 2-3: join the ranks' statistics -- one all-reduce MAX and one fused all-reduce SUM."""
+def combine(stats: ChunkStats, layout, *, rank_ordered: bool = False) -> TokenStats:
+    """Steps 2-3: join the ranks' statistics -- one all-reduce MAX and one fused all-reduce SUM.
+    ``rank_ordered``: the SUM adds the ranks' partials in rank order whatever the message size
+    (:func:`vparallel_ce.comm.all_reduce_sum_rank_ordered`; batch invariance)."""
     if not layout.sharded:  # one rank: its statistics are the global ones (no rescaling to launch)
         return whole_vocab(stats)
     m = comm.all_reduce_max_(stats.max.clone(), layout.group)
     parts = [_rescale(stats.sumexp, stats.max, m), stats.target, stats.sum]
     if stats.zexp is not None:
         parts.append(_rescale_zexp(stats.zexp, stats.sumexp, stats.max, m))
-    packed = comm.all_reduce_sum_(torch.stack(parts), layout.group)
+    sum_ = comm.all_reduce_sum_rank_ordered if rank_ordered else comm.all_reduce_sum_
+    packed = sum_(torch.stack(parts), layout.group)
     sumexp, target, total = packed[:3].unbind(0)
     log_s = torch.log(sumexp)
     entropy = log_s - packed[3] / sumexp if stats.zexp is not None else None
@@ -302,9 +311,12 @@ def grad_logits(
 REDUCTIONS = ("mean", "sum", "none")
 
 
-def token_slices(n: int, chunks: int, *, exact: bool = False) -> list[slice]:
+def token_slices(n: int, chunks: int, *, exact: bool = False, tile: int = 1) -> list[slice]:
     """Contiguous slices of ``n`` rows in ``chunks`` near-equal parts (``torch.tensor_split`` sizes):
-    at most ``n`` of them, or exactly ``chunks`` (some empty) with ``exact``."""
+    at most ``n`` of them, or exactly ``chunks`` (some empty) with ``exact``. ``tile``: the parts
+    are whole tiles of ``tile`` rows (the last one cut at ``n``), at most one per tile."""
+    if tile > 1:
+        return [slice(s.start * tile, min(s.stop * tile, n)) for s in token_slices(-(-n // tile), chunks)]
     k = max(1, int(chunks) if exact else min(int(chunks), max(n, 1)))
     if k == 1:  # one chunk (every call of the fast point)
         return [slice(0, n)]

@@ -158,6 +158,7 @@ _OPTION_CHECKS = {
     "sequence_parallel": (lambda v: isinstance(v, bool), "True or False"),
     "vocab_size": (lambda v: v is None or _is_int(v, 1, 2**62), "a positive int or None"),
     "with_entropy": (lambda v: isinstance(v, bool), "True or False"),
+    "batch_invariant": (lambda v: isinstance(v, bool), "True or False"),
     "divergence": (lambda v: v in DIVERGENCES, f"one of {DIVERGENCES}"),
     "beta": (lambda v: not isinstance(v, bool) and 0.0 <= float(v) <= 1.0, "in [0, 1]"),
     "hard_weight": (lambda v: not isinstance(v, bool) and 0 <= float(v) < float("inf"), "a finite number >= 0"),
@@ -200,6 +201,9 @@ def check_options(**options) -> Problem | None:
     if options.get("num_valid_tokens") is not None and options.get("reduction", "mean") != "mean":
         return Problem(ValueError, "num_valid_tokens is the divisor of reduction='mean', got reduction="
                                    f"{options.get('reduction')!r}")
+    if options.get("batch_invariant") and options.get("sequence_parallel"):
+        return Problem(ValueError, "batch_invariant=True does not support sequence_parallel=True: the hidden "
+                                   "gradient's reduce-scatter over the group has no rank-ordered form here")
     if options.get("recompute") is False and options.get("reduction") == "none":
         return Problem(ValueError, "recompute=False (gradients made in forward) needs reduction 'mean' or 'sum': "
                                    "with reduction='none' the upstream gradient is only known in backward")
@@ -531,6 +535,8 @@ class Facts:
     # the logits' dtype as asked (None: the matmul dtype): it decides their precision and the plan's memory
     logits_dtype: int = _shown(_show_dtype)
     chunk_policy: int = _shown(lambda c: f"a ChunkPolicy with CRC {c}")
+    # the order of every sum (tiles, rank-ordered SUM): ranks that differ would run other collectives
+    batch_invariant: int = _shown(lambda c: str(bool(c)))
     token_count: int = _shown(str, per_rank=True)
     # position-sensitive (target_checksum): a permutation of the ids, or ids shifted by one, is a
     # different checksum
@@ -563,8 +569,7 @@ class Facts:
             _NO_SOFTCAP if o.softcap is None else _float_code(o.softcap), _float_code(o.temperature),
             int(o.with_entropy), DIVERGENCES.index(o.divergence), _float_code(o.beta), _float_code(o.hard_weight),
             int(target_given), *_teacher_codes(teacher), _dtype_code(matmul_dtype), _dtype_code(o.logits_dtype),
-            _policy_code(o.policy),
-            target.numel(), target_checksum, hidden_checksum)
+            _policy_code(o.policy), int(o.batch_invariant), target.numel(), target_checksum, hidden_checksum)
 
     def row(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]

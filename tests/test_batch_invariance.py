@@ -1,0 +1,277 @@
+"""Specification of ``batch_invariant=True`` (``vparallel_ce.invariant``, docs/rl.md "Batch invariance").
+
+With the option on, a token's per-token outputs -- log-prob, entropy, loss with ``reduction="none"``
+-- and its row of the logits' / hidden's gradient are BITWISE equal (``torch.equal``) whatever the
+other tokens of the call: the token alone (N=1), at position 137 of N=300, at position 5 of N=130
+(other random rows each time), each with ``chunks`` 1, 3 and "auto". Checked for the four ops, fp32
+and bf16 inputs, at TP 1, 2 and 3 (uneven shards: V=521) on gloo. The mode is also checked to be
+right (against a float64 reference of the gathered logits) and agreed across ranks (a rank that
+disagrees, or ``sequence_parallel``, raises on every rank). Token sums (dW, a mean loss) are not
+batch invariant and are not asserted to be.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vparallel_ce
+from tests.dist import errors_of, run_ranks
+from tests.reference import shard
+
+V, H, ROW = 521, 32, 137
+TILE = 128
+# (tokens in the call, the row's position in it): alone, then inside two other batches
+CONTEXTS = ((1, 0), (300, ROW), (130, 5))
+CHUNKS = (1, 3, "auto")
+# every context with every chunks value would be 9 calls per op; the chunk counts are varied where
+# they change the chunking most (N=300: 1, 2 or 3 chunks of whole tiles)
+RUNS = [((1, 0), 1), ((1, 0), "auto"), ((300, ROW), 1), ((300, ROW), 3), ((300, ROW), "auto"), ((130, 5), 3)]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _batch(n: int, pos: int, row_h, row_t, seed: int):
+    """``n`` random hidden rows and targets with the studied row at ``pos`` (some targets ignored)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, H, generator=g, dtype=torch.float64)
+    t = torch.randint(0, V, (n,), generator=g)
+    t[torch.rand(n, generator=g) < 0.2] = -100
+    h[pos], t[pos] = row_h, row_t
+    return h, t
+
+
+def _ops(rank, world, group, dtype, weight):
+    """Each op as ``fn(h_full [n, H] float64, t) -> (outputs, gradient rows)`` on this rank, with a
+    fixed upstream gradient per token (the row's is the same in every context)."""
+    w = shard(weight, world, rank, 0).to(dtype)
+
+    def upstream(t):  # the same weight for every token: the studied row's is the same in every batch
+        return torch.full((t.numel(),), 0.75)
+
+    def logits_op(name):
+        def run(h, t, chunks, invariant=True):
+            # the logits themselves made row by row in float64 (a GEMM of N rows is what this mode
+            # avoids inside the ops: the test's input must not depend on N either)
+            x = shard(torch.stack([r @ weight.t() for r in h]), world, rank).to(dtype).requires_grad_()
+            u = upstream(t)
+            if name == "token_logprobs":
+                lp, ent = vparallel_ce.token_logprobs(x, t, group=group, with_entropy=True, chunks=chunks,
+                                                      temperature=0.8, batch_invariant=invariant)
+                (lp * u + 0.3 * ent * u).sum().backward()
+                outs = (lp, ent)
+            else:
+                loss = vparallel_ce.cross_entropy(x, t, group=group, reduction="none", chunks=chunks,
+                                                  label_smoothing=0.1, batch_invariant=invariant)
+                (loss * u).sum().backward()
+                outs = (loss,)
+            return outs, x.grad
+        return run
+
+    def linear_op(name):
+        def run(h, t, chunks, invariant=True):
+            hh = h.to(dtype).requires_grad_()
+            ww = w.detach().clone().requires_grad_()
+            u = upstream(t)
+            if name == "linear_token_logprobs":
+                lp, ent = vparallel_ce.linear_token_logprobs(hh, ww, t, group=group, with_entropy=True,
+                                                             chunks=chunks, batch_invariant=invariant)
+                (lp * u - 0.2 * ent * u).sum().backward()
+                outs = (lp, ent)
+            else:
+                loss = vparallel_ce.linear_cross_entropy(hh, ww, t, group=group, reduction="none", chunks=chunks,
+                                                         z_loss=1e-3, batch_invariant=invariant)
+                (loss * u).sum().backward()
+                outs = (loss,)
+            return outs, hh.grad
+        return run
+
+    return {name: logits_op(name) for name in ("token_logprobs", "cross_entropy")} | {
+        name: linear_op(name) for name in ("linear_token_logprobs", "linear_cross_entropy")}
+
+
+def _reference(name, h, weight, t, pos, round_to=None):
+    """float64 outputs and gradient row of token ``pos`` (full vocab, plain torch); ``round_to``:
+    the logits ops' input dtype, which the given logits were rounded to."""
+    hh = h.clone().requires_grad_()
+    x = hh @ weight.t()
+    xx = (x if round_to is None else x.to(round_to).double()).detach().requires_grad_()
+    tok = t[pos]
+    if name == "token_logprobs":
+        logp = torch.log_softmax(xx[pos] / 0.8, -1)
+        outs = (logp[tok], -(logp.exp() * logp).sum())
+        (0.75 * outs[0] + 0.3 * 0.75 * outs[1]).backward()
+        return outs, xx.grad[pos]
+    if name == "cross_entropy":
+        loss = torch.nn.functional.cross_entropy(xx[pos : pos + 1], t[pos : pos + 1], label_smoothing=0.1)
+        (0.75 * loss).backward()
+        return (loss,), xx.grad[pos]
+    logp = torch.log_softmax(x[pos], -1)
+    if name == "linear_token_logprobs":
+        outs = (logp[tok], -(logp.exp() * logp).sum())
+        (0.75 * outs[0] - 0.2 * 0.75 * outs[1]).backward()
+    else:
+        lse = torch.logsumexp(x[pos], -1)
+        outs = (-logp[tok] + 1e-3 * lse**2,)
+        (0.75 * outs[0]).backward()
+    return outs, hh.grad[pos]
+
+
+def invariance_rank(rank, world, dtype_name):
+    """TP ``world`` and, on the first two ranks, TP 2 (one pool of processes: spawning is the cost)."""
+    import torch.distributed as dist
+
+    if world == 1:
+        return _invariance(0, 1, None, dtype_name)
+    pair = dist.new_group([0, 1])  # every rank takes part in making it
+    failures = _invariance(rank, 2, pair, dtype_name) if rank < 2 else []
+    return failures + _invariance(rank, world, dist.group.WORLD, dtype_name)
+
+
+def _invariance(rank, world, group, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(11)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.4
+    row_h = torch.randn(H, generator=g, dtype=torch.float64)
+    row_t = torch.tensor(321)  # owned by rank 0 at TP 2, rank 0 at TP 3
+    failures = []
+    for name, op in _ops(rank, world, group, dtype, weight).items():
+        seen = None
+        for (n, pos), chunks in RUNS:
+            h, t = _batch(n, pos, row_h, row_t, seed=n)
+            outs, grad = op(h, t, chunks)
+            mine = tuple(o[pos] for o in outs) + (grad[pos],)
+            where = f"{name} {dtype_name} TP{world} N={n} pos={pos} chunks={chunks}"
+            if n > 2 * TILE and chunks == 3:  # every row of every tile, padded last one included
+                default_outs, default_grad = op(h, t, chunks, invariant=False)
+                for i, (got, want) in enumerate(zip((*outs, grad), (*default_outs, default_grad))):
+                    err = (got.double() - want.double()).abs().max().item() / want.double().abs().max().item()
+                    if not err <= TOL[dtype] * 4:
+                        failures.append(f"{where}: output {i} off the default mode's by {err:.2e}")
+            if seen is None:
+                seen, first = mine, where
+                # right, not only invariant: the float64 reference of the same (rounded) inputs
+                logits_op = name in ("token_logprobs", "cross_entropy")
+                hr, wr = (h, weight) if logits_op else (h.to(dtype).double(), weight.to(dtype).double())
+                ref_outs, ref_grad = _reference(name, hr, wr, t, pos, round_to=dtype if logits_op else None)
+                ref_grad = shard(ref_grad, world, rank) if name in ("token_logprobs", "cross_entropy") else ref_grad
+                for got, want in zip(mine, (*ref_outs, ref_grad)):
+                    err = (got.double() - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+                    if not err <= TOL[dtype] * 4:
+                        failures.append(f"{where}: relative error {err:.2e} against float64")
+                continue
+            for i, (a, b) in enumerate(zip(seen, mine)):
+                if not torch.equal(a, b):
+                    failures.append(f"{where}: output {i} differs bitwise from {first} "
+                                    f"(max |diff| {(a.double() - b.double()).abs().max().item():.3e})")
+    return failures
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("world", [1, 3])  # world 3 runs TP 2 on two of its ranks too
+def test_rows_are_bitwise_identical_whatever_the_batch(world, dtype):
+    results = run_ranks(invariance_rank, world, dtype) if world > 1 else [invariance_rank(0, 1, dtype)]
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+def test_tiles_and_chunks_of_whole_tiles():
+    from vparallel_ce import invariant
+    from vparallel_ce.stats import token_slices
+
+    assert invariant.tiles(300) == [slice(0, 128), slice(128, 256), slice(256, 300)]
+    assert token_slices(300, 2, tile=128) == [slice(0, 256), slice(256, 300)]
+    assert token_slices(300, 5, tile=128) == [slice(0, 128), slice(128, 256), slice(256, 300)]
+    a = torch.randn(128, 700)
+    torch.testing.assert_close(invariant.block_row_sum(a), a.double().sum(-1).float(), rtol=1e-5, atol=1e-4)
+
+
+def test_the_option_survives_the_compiled_key():
+    from vparallel_ce import compiled
+    from vparallel_ce.options import Options
+
+    options = Options(reduction="none", batch_invariant=True)
+    assert compiled._decode(compiled._key(options, None))[0] == options
+
+
+def test_plan_recomputes_token_chunks_whatever_the_arguments():
+    plan = vparallel_ce.policy.DEFAULT_POLICY
+    from vparallel_ce import invariant
+
+    for n in (1, 300, 100_000):
+        p = invariant.plan(plan, n, 50_000, 2, hidden_size=64, reduction="mean", chunks="auto", logits_dtype=None)
+        assert p.schedule == "token" and p.grad_mode is vparallel_ce.policy.GradMode.RECOMPUTE, p
+
+
+def bad_rank(rank, world):
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    x = torch.randn(4, 2)
+    t = torch.tensor([0, 3, 7, 11])
+    h, w = torch.randn(4, 5), torch.randn(2, 5)
+    return errors_of({
+        "disagree": lambda: vparallel_ce.token_logprobs(x, t, group=group, batch_invariant=rank == 1),
+        "not a bool": lambda: vparallel_ce.cross_entropy(x, t, group=group, batch_invariant=1),
+        "sequence parallel": lambda: vparallel_ce.linear_token_logprobs(h, w, t, group=group, sequence_parallel=True,
+                                                                        batch_invariant=True),
+    })
+
+
+def test_bad_input_raises_on_every_rank():
+    expected = {"disagree": "disagree on batch invariant", "not a bool": "batch_invariant must be True or False",
+                "sequence parallel": "sequence_parallel"}
+    for errs in run_ranks(bad_rank, 3):
+        for name, text in expected.items():
+            assert errs[name] is not None and text in errs[name], (name, errs[name])
+
+
+def test_no_triton_or_fused_kernel_runs_in_this_mode(monkeypatch):
+    # the per-shape Triton kernels are never asked for, even where they are chosen: the torch path
+    # one tile at a time is the mode's only path (docs/rl.md)
+    from vparallel_ce import kernels
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("kernels.ops_for called in batch-invariant mode")
+
+    monkeypatch.setattr(kernels, "ops_for", refuse)
+    x = torch.randn(5, 40, requires_grad=True)
+    h, w = torch.randn(5, 8, requires_grad=True), torch.randn(40, 8, requires_grad=True)
+    t = torch.tensor([1, 7, -100, 39, 0])
+    with kernels.use("triton"):
+        lp = vparallel_ce.token_logprobs(x, t, batch_invariant=True)
+        ce = vparallel_ce.cross_entropy(x, t, reduction="none", batch_invariant=True)
+        llp = vparallel_ce.linear_token_logprobs(h, w, t, batch_invariant=True)
+        lce = vparallel_ce.linear_cross_entropy(h, w, t, batch_invariant=True)
+        (lp.sum() + ce.sum() + llp.sum() + lce).backward()
+    assert x.grad is not None and h.grad is not None and w.grad is not None
+
+
+def empty_shard_rank(rank, world):
+    """V=4 over 3 ranks: shards of 2, 2 and 0 columns; the mode against the default one."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(150, 6, generator=g), torch.randn(4, 6, generator=g)
+    t = torch.randint(0, 4, (150,), generator=g)
+    w = shard(weight, world, rank, 0)
+    x = hidden @ w.t()
+    failures = []
+    for name, f in {
+        "token_logprobs": lambda inv: vparallel_ce.token_logprobs(x, t, group=group, with_entropy=True,
+                                                                  batch_invariant=inv)[1],
+        "cross_entropy": lambda inv: vparallel_ce.cross_entropy(x, t, group=group, reduction="none",
+                                                                batch_invariant=inv),
+        "linear_token_logprobs": lambda inv: vparallel_ce.linear_token_logprobs(hidden, w, t, group=group,
+                                                                                batch_invariant=inv),
+        "linear_cross_entropy": lambda inv: vparallel_ce.linear_cross_entropy(hidden, w, t, group=group,
+                                                                              batch_invariant=inv),
+    }.items():
+        if not torch.allclose(f(True), f(False), rtol=1e-5, atol=1e-6):
+            failures.append(f"{name} rank {rank} (local vocab {w.shape[0]})")
+    return failures
+
+
+def test_empty_shards():
+    failures = [f for per_rank in run_ranks(empty_shard_rank, 3) for f in per_rank]
+    assert not failures, failures

@@ -1,0 +1,145 @@
+r"""Batch invariance (``batch_invariant=True``): a token's outputs do not depend on the other tokens
+of the call.
+
+Floating-point sums are not associative, so a row's result is bitwise the same in two calls only if
+its every sum is taken in the same order. In the default mode three things change that order with
+the number of tokens ``N``: the GEMM kernels (cuBLAS / MKL pick a kernel, split-K included, by the
+shape ``[N_chunk, H] x [H, V]``), torch's reductions over the vocab (their strategy depends on the
+shape too, e.g. ATen splits the reduced dim over threads when there are few rows), and the SUM
+all-reduce of the ranks' partials (NCCL's ring or tree, chunked by message size). This mode fixes
+all three:
+
+* **Tiles.** Every per-row GEMM and reduction runs on tiles of exactly :data:`TILE_ROWS` rows, the
+  last one padded (zero rows, ignored target), each a fresh contiguous copy (the same alignment for
+  every tile, so a kernel's vectorised loads never depend on where the rows sat in the caller's
+  tensor). A kernel then only ever sees shapes made of ``TILE_ROWS``, ``H`` and ``V_local``;
+  where in a tile a row sits does not change the order of its own sums. Token chunks are whole
+  tiles (:func:`vparallel_ce.stats.token_slices` with ``tile``): the ``chunks`` option only groups
+  tiles between two exchanges, and no sum crosses rows.
+* **Vocab sums in blocks.** Per-row sums over the vocab (:func:`block_row_sum`) are taken over
+  :data:`VOCAB_BLOCK`-wide blocks of a zero-padded ``[TILE_ROWS, nb, VOCAB_BLOCK]`` copy, then over
+  the ``nb`` block sums: an order that depends on ``V_local`` alone. (The max is exact in any order.)
+* **Rank order.** Sums over the TP group gather every rank's partials and add them in rank order
+  (:func:`vparallel_ce.comm.all_reduce_sum_rank_ordered`); the MAX all-reduce stays (exact).
+
+The lm_head GEMMs run through torch (``F.linear``/``mm`` of one tile), never the Triton kernels:
+cuBLAS's choice for a fixed shape is fixed, the fused kernels pick their tile schedule by shape. Sums over TOKENS
+(``weight.grad``, ``bias.grad``, a ``mean``/``sum`` loss) are deterministic for a given batch but,
+by nature, not batch invariant. ``docs/rl.md`` ("Batch invariance") states what is guaranteed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from . import kernels, stats
+from .policy import ChunkPolicy, Plan
+
+__all__ = ["TILE_ROWS", "VOCAB_BLOCK", "tiles", "tile_of", "block_row_sum", "local_stats", "grad_logits",
+           "rows_by_tiles", "add_rows_by_tiles", "plan", "OPS"]
+
+#: Rows of every tile. 128 is the row-block height of the GEMM kernels (cuBLAS/CUTLASS and the
+#: library's Triton kernels tile M by 64 or 128; MKL's micro-kernels by a few rows), so a tile is
+#: whole row blocks and a per-tile GEMM runs at the speed of a large one; ``128 * width`` is a
+#: multiple of every SIMD width, so an elementwise kernel over a tile has no scalar tail; and the
+#: padding of a short call (one token: 127 zero rows) stays small next to the lm_head weight's read.
+TILE_ROWS = 128
+
+#: Width of the vocab blocks of :func:`block_row_sum`: a multiple of the SIMD and warp widths.
+VOCAB_BLOCK = 256
+
+
+def tiles(n: int) -> list[slice]:
+    """The tiles of ``n`` rows: ``[0, 128), [128, 256), ...``, the last one possibly short."""
+    return [slice(s, min(s + TILE_ROWS, n)) for s in range(0, n, TILE_ROWS)]
+
+
+def tile_of(x: torch.Tensor | None, sl: slice, fill=0) -> torch.Tensor | None:
+    """``x[sl]`` as a fresh contiguous ``[TILE_ROWS, ...]`` tensor, the rows past ``sl`` set to
+    ``fill`` (None stays None)."""
+    if x is None:
+        return None
+    out = x.new_full((TILE_ROWS, *x.shape[1:]), fill)
+    out[: sl.stop - sl.start] = x[sl]
+    return out
+
+
+def block_row_sum(a: torch.Tensor) -> torch.Tensor:
+    """``a.sum(-1)`` of a ``[TILE_ROWS, V]`` tile in an order set by ``V`` alone: within each
+    :data:`VOCAB_BLOCK` column block of a zero-padded copy, then over the blocks. Every reduction
+    sees the fixed shapes ``[TILE_ROWS, nb, VOCAB_BLOCK]`` and ``[TILE_ROWS, nb]``; adding the
+    padding's zeros changes no sum."""
+    rows, width = a.shape
+    nb = max(1, -(-width // VOCAB_BLOCK))
+    padded = a.new_zeros((rows, nb * VOCAB_BLOCK))
+    padded[:, :width] = a
+    return padded.view(rows, nb, VOCAB_BLOCK).sum(dim=-1).sum(dim=-1)
+
+
+def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor,
+                spec: stats.LossSpec) -> stats.ChunkStats:
+    """:func:`vparallel_ce.stats.local_stats` of ``[c, V_block]`` logits, tile by tile with
+    :func:`block_row_sum`: row ``i``'s statistics are bitwise the same whatever ``c`` and ``i``."""
+    if x.shape[0] == 0:
+        return stats.local_stats(x, local_target, owned, spec)
+    parts = []
+    for sl in tiles(x.shape[0]):
+        st = stats.local_stats(tile_of(x, sl), tile_of(local_target, sl), tile_of(owned, sl, False), spec,
+                               row_sum=block_row_sum)
+        parts.append([None if f is None else f[: sl.stop - sl.start] for f in st])
+    return stats.ChunkStats(*(None if f[0] is None else torch.cat(f) for f in zip(*parts)))
+
+
+def grad_logits(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, shift: torch.Tensor,
+                coefs: stats.GradCoefs, spec: stats.LossSpec, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`vparallel_ce.stats.grad_logits` tile by tile (elementwise per row, but on CPU an
+    elementwise kernel's scalar tail depends on the tensor's size: a tile's is fixed)."""
+    out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    for sl in tiles(x.shape[0]):
+        part = stats.GradCoefs(*(tile_of(k, sl) for k in coefs))
+        d = stats.grad_logits(tile_of(x, sl), tile_of(local_target, sl), tile_of(owned, sl, False),
+                              tile_of(shift, sl), part, spec, out_dtype)
+        out[sl] = d[: sl.stop - sl.start]
+    return out
+
+
+def rows_by_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for a row-wise ``fn`` (a GEMM ``x W^T``), run on one fixed-shape tile at a time:
+    ``fn`` only ever sees ``[TILE_ROWS, ...]`` inputs, so the kernel it picks is the same for
+    every call."""
+    out = None
+    for sl in tiles(x.shape[0]):
+        y = fn(tile_of(x, sl))
+        if out is None:
+            out = y.new_empty((x.shape[0], *y.shape[1:]))
+        out[sl] = y[: sl.stop - sl.start]
+    return fn(x) if out is None else out
+
+
+def add_rows_by_tiles(out: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+    """``out += fn(x)`` with ``fn`` run tile by tile as in :func:`rows_by_tiles`; each tile's product
+    is added to ``out`` (fp32) once, so a row's sum over vocab blocks runs in the blocks' order."""
+    for sl in tiles(x.shape[0]):
+        out[sl] += fn(tile_of(x, sl))[: sl.stop - sl.start]
+
+
+def plan(policy: ChunkPolicy, num_tokens: int, vocab_size: int, tp_degree: int, *, hidden_size: int,
+         reduction: str, chunks: int | str, logits_dtype: torch.dtype | None) -> Plan:
+    """The plan of a batch-invariant linear op: token chunks (of whole tiles, sized by ``chunks`` and
+    the policy as usual) and logits recomputed in backward, whatever ``N``. The default plans switch
+    with ``N`` between paths that round differently (gradients made in forward and scaled after,
+    the whole-vocab one-pass kernel, vocab blocks whose boundaries move with the block count); this
+    mode keeps one. ``schedule`` and ``recompute`` are not the caller's to choose here."""
+    p = policy.plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, reduction=reduction, chunks=chunks,
+                    schedule="token", recompute=True, fused=False, logits_dtype=logits_dtype)
+    return replace(p, why=p.why + (f"batch_invariant=True: token chunks of whole {TILE_ROWS}-row tiles, torch GEMMs "
+                                   "one tile at a time, logits recomputed in backward",))
+
+
+#: The per-chunk steps of this mode (:class:`vparallel_ce.kernels.KernelBackend`): the torch
+#: reference, tile by tile. Its plans never make the loss and its gradient in one pass
+#: (``loss_stats_grad_``) nor scale kept gradients (``scale_rows``): they recompute.
+OPS = kernels.KernelBackend("invariant", local_stats, grad_logits, stats.loss_stats_grad_, stats.scale_rows)
