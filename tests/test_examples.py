@@ -38,8 +38,9 @@ def _free_port() -> int:
     ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "PORT", "tp_cross_entropy.py"],
     ["rl_logprobs.py"],
     ["grad_accumulation.py"],
+    ["distillation.py"],
     ["hf_llama.py"],
-], ids=["tp-spawned", "tp-torchrun", "rl", "grad-accumulation", "hf-llama"])
+], ids=["tp-spawned", "tp-torchrun", "rl", "grad-accumulation", "distillation", "hf-llama"])
 def test_example_runs_and_checks_itself(tmp_path, cmd):
     if cmd == ["hf_llama.py"]:
         pytest.importorskip("transformers")

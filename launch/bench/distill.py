@@ -1,0 +1,248 @@
+"""Distillation, forward+backward: a student's lm_head + a divergence from a (wider) teacher's lm_head,
+ours against the usual ways.
+
+For each shape ``N x H_student x H_teacher x V`` (tokens, the two hidden sizes, vocab; bf16 hidden
+states and weights, random targets, ``"mean"`` over the tokens) and each method it measures
+
+* ``ms``: forward+backward time (the student's hidden states and lm_head get gradients; the teacher
+  is a constant), median of ``--repeats`` after ``--warmup`` (CUDA events; host clock on CPU);
+* ``peak``: ``max_memory_allocated`` during one more forward+backward minus what was allocated
+  before it (the resident inputs), so it includes the returned dh and dW (CUDA only);
+* ``err``: ``|x - ref| / |ref|`` of the loss, dh and dW against a float64 reference (full logits of
+  both models from the same bf16 inputs, token chunk by token chunk on the same device).
+
+Methods (``<kind>`` is ``forward_kl``, ``reverse_kl`` or ``jsd``; JSD with ``beta = 0.5``):
+
+* ``ours:<kind>`` -- ``vparallel_ce.linear_distillation_loss`` (neither model's logits exist beyond
+  one chunk), ``chunks="auto"``; ``ours:<kind>:<k>`` with ``chunks=k``;
+* ``ours_logits:<kind>`` -- both lm_heads as bf16 matmuls, then ``vparallel_ce.distillation_loss``
+  on the logits;
+* ``compile:<kind>`` -- the plain fp32 loss (``(h @ W.T).float()``, ``log_softmax``, the divergence
+  summed over the vocab) under ``torch.compile``; ``plain:<kind>`` the same eagerly;
+* ``liger:jsd`` -- Liger-Kernel's ``LigerFusedLinearJSDLoss`` (hard weight 0, soft weight 1), when
+  importable on CUDA.
+
+Run from the repository root::
+
+    python -m launch.bench.distill --json distill.jsonl          # one GPU: both shapes, every method
+    python -m launch.bench.distill --smoke                       # CPU, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import traceback
+
+import torch
+
+import vparallel_ce
+from launch.bench.timing import time_and_peak
+
+# Llama3-8B student (H=4096) with a Llama3-70B-width teacher (H=8192); full vocab and its TP=8 shard
+SHAPES = {"llama3_8b_70b": (8192, 4096, 8192, 128256), "llama3_8b_70b_tp8": (8192, 4096, 8192, 16032)}
+SMOKE_SHAPES = {"smoke": (96, 32, 48, 500), "smoke_odd": (70, 24, 40, 333)}
+KINDS = ("forward_kl", "reverse_kl", "jsd")
+BETA = 0.5
+METHODS = ("compile:forward_kl", "ours:forward_kl", "ours:forward_kl:1", "ours_logits:forward_kl", "compile:jsd",
+           "liger:jsd", "ours:jsd", "ours:jsd:1")
+SMOKE_METHODS = ("plain:forward_kl", "ours:forward_kl", "ours:forward_kl:3", "ours_logits:forward_kl",
+                 "plain:reverse_kl", "ours:reverse_kl", "plain:jsd", "ours:jsd", "ours_logits:jsd")
+
+
+# ------------------------------------------------------------------------------------------ the math
+
+def divergence(s: torch.Tensor, t: torch.Tensor, kind: str, temperature: float) -> torch.Tensor:
+    """Per-token ``T**2 * D(p, q)`` of student logits ``s`` and teacher logits ``t`` (``[n, V]``, any
+    float dtype), computed in that dtype; ``p = softmax(t / T)``, ``q = softmax(s / T)``."""
+    lp = torch.log_softmax(t / temperature, -1)
+    lq = torch.log_softmax(s / temperature, -1)
+    if kind == "forward_kl":
+        d = (lp.exp() * (lp - lq)).sum(-1)
+    elif kind == "reverse_kl":
+        d = (lq.exp() * (lq - lp)).sum(-1)
+    else:
+        lm = torch.logaddexp(lp + math.log(BETA), lq + math.log(1 - BETA))
+        d = BETA * (lp.exp() * (lp - lm)).sum(-1) + (1 - BETA) * (lq.exp() * (lq - lm)).sum(-1)
+    return temperature**2 * d
+
+
+def _plain(hs, ws, ht, wt, tgt, kind, temperature):
+    with torch.no_grad():
+        t = (ht @ wt.t()).float()
+    d = divergence((hs @ ws.t()).float(), t, kind, temperature)
+    valid = tgt != -100
+    return (d * valid).sum() / valid.sum()
+
+
+def reference(hs, ws, ht, wt, tgt, kind, temperature, rows=1024):
+    """Loss, dh, dW in float64 from the same (bf16) inputs, token chunk by token chunk."""
+    w64 = ws.detach().double().requires_grad_()
+    wt64 = wt.detach().double()
+    n_valid = (tgt != -100).sum()
+    loss = torch.zeros((), dtype=torch.float64, device=hs.device)
+    dh = torch.empty(hs.shape, dtype=torch.float64, device=hs.device)
+    for s in range(0, hs.shape[0], rows):
+        h64 = hs.detach()[s : s + rows].double().requires_grad_()
+        d = divergence(h64 @ w64.t(), ht[s : s + rows].double() @ wt64.t(), kind, temperature)
+        part = (d * (tgt[s : s + rows] != -100)).sum() / n_valid
+        part.backward()
+        loss += part.detach()
+        dh[s : s + rows] = h64.grad
+    return loss, dh, w64.grad
+
+
+# ------------------------------------------------------------------------------------------ methods
+
+def make_method(name: str, device: torch.device, temperature: float):
+    """``fn(hs, ws, ht, wt, tgt) -> loss``, or None when not available here."""
+    parts = name.split(":")
+    base, kind = parts[0], parts[1]
+    if kind not in KINDS:
+        raise ValueError(f"unknown divergence in {name!r}")
+    if base == "plain":
+        return lambda *a: _plain(*a, kind, temperature)
+    if base == "compile":
+        compiled = torch.compile(_plain, dynamic=False)
+        return lambda *a: compiled(*a, kind, temperature)
+    if base == "ours":
+        chunks = int(parts[2]) if len(parts) > 2 else "auto"
+        return lambda hs, ws, ht, wt, tgt: vparallel_ce.linear_distillation_loss(
+            hs, ws, ht, wt, tgt, kind=kind, beta=BETA, temperature=temperature, chunks=chunks)
+
+    if base == "ours_logits":
+        def fn(hs, ws, ht, wt, tgt):
+            with torch.no_grad():
+                t = ht @ wt.t()
+            return vparallel_ce.distillation_loss(hs @ ws.t(), t, tgt, kind=kind, beta=BETA, temperature=temperature)
+        return fn
+    if base == "liger":
+        if kind != "jsd" or device.type != "cuda":
+            return None
+        try:
+            from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+        except Exception:
+            return None
+        # Liger's JSD: beta KL(p||m) + (1 - beta) KL(q||m), m = beta p + (1 - beta) q, unscaled by T**2
+        liger = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=BETA, temperature=temperature)
+        return lambda hs, ws, ht, wt, tgt: temperature**2 * liger(hs, ws, ht, wt, tgt)
+    raise ValueError(f"unknown method {name!r}")
+
+
+def rel(a, ref) -> float:
+    return float((a.double() - ref).norm() / ref.norm())
+
+
+# -------------------------------------------------------------------------------------------- main
+
+def bench_shape(tag, shape, args, device, emit):
+    n, h_s, h_t, v = shape
+    g = torch.Generator(device="cpu").manual_seed(0)
+    dt = torch.bfloat16
+    hs = torch.randn(n, h_s, generator=g).to(device, dt).requires_grad_()
+    ws = (torch.randn(v, h_s, generator=g) * (2.0 / math.sqrt(h_s))).to(device, dt).requires_grad_()
+    ht = torch.randn(n, h_t, generator=g).to(device, dt)
+    wt = (torch.randn(v, h_t, generator=g) * (2.0 / math.sqrt(h_t))).to(device, dt)
+    tgt = torch.randint(0, v, (n,), generator=g)
+    tgt[torch.rand(n, generator=g) < 0.1] = -100  # prompt / padding tokens
+    tgt = tgt.to(device)
+    refs, records = {}, []
+    for name in args.methods:
+        kind = name.split(":")[1]
+        rec = dict(shape=tag, N=n, H_student=h_s, H_teacher=h_t, V=v, method=name, temperature=args.temperature)
+        try:
+            fn = make_method(name, device, args.temperature)
+            if fn is None:
+                rec.update(error="not available here")
+            else:
+                def once():
+                    hs.grad = ws.grad = None
+                    loss = fn(hs, ws, ht, wt, tgt)
+                    loss.backward()
+                    return loss
+
+                ms, peak, loss = time_and_peak(once, (hs, ws), repeats=args.repeats, warmup=args.warmup,
+                                               device=device)
+                rec.update(ms=ms, peak_gib=peak)
+                if not args.no_ref:
+                    if kind not in refs:
+                        refs[kind] = reference(hs, ws, ht, wt, tgt, kind, args.temperature)
+                    r_loss, r_dh, r_dw = refs[kind]
+                    rec.update(err_loss=rel(loss.detach(), r_loss), err_dh=rel(hs.grad, r_dh), err_dw=rel(ws.grad, r_dw))
+        except Exception as e:  # OOM, a missing op, ...: record and go on
+            rec.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+            if args.verbose:
+                traceback.print_exc()
+        hs.grad = ws.grad = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        emit(rec)
+        records.append(rec)
+    return records
+
+
+def fmt(x, spec):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def print_table(records):
+    print("\n## launch.bench.distill: fwd+bwd median ms; peak GiB over resident inputs (incl. dh + dW); "
+          "errors vs float64 of the same bf16 inputs")
+    print("| shape | method | ms | peak GiB | err loss | err dh | err dW |")
+    print("|" + "---|" * 7)
+    for r in records:
+        if "error" in r:
+            print(f"| {r['shape']} | {r['method']} | {r['error']} | | | | |")
+            continue
+        print(f"| {r['shape']} | {r['method']} | {fmt(r['ms'], '.2f')} | {fmt(r['peak_gib'], '.3f')} | "
+              f"{fmt(r.get('err_loss'), '.1e')} | {fmt(r.get('err_dh'), '.1e')} | {fmt(r.get('err_dw'), '.1e')} |")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI), 2 repeats")
+    p.add_argument("--shapes", default=None, help="comma list of shape names or NxHsxHtxV")
+    p.add_argument("--methods", default=None, help="comma list (default: every method for the shapes)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=None, help="timed runs (default 10; 2 with --smoke)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up runs (default 2; 1 with --smoke)")
+    p.add_argument("--no-ref", action="store_true", help="skip the float64 reference (no error columns)")
+    p.add_argument("--json", default=None, help="append one JSON line per measurement to this file")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    args.methods = [m for m in (args.methods or ",".join(SMOKE_METHODS if args.smoke else METHODS)).split(",") if m]
+    args.repeats = args.repeats if args.repeats is not None else (2 if args.smoke else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
+    known = {**SHAPES, **SMOKE_SHAPES}
+    names = args.shapes.split(",") if args.shapes else list(SMOKE_SHAPES if args.smoke else SHAPES)
+    shapes = {s: known.get(s) or tuple(int(x) for x in s.lower().split("x")) for s in names}
+    env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+    print(f"# launch.bench.distill: {env}, T={args.temperature}, repeats {args.repeats}, warmup {args.warmup}",
+          flush=True)
+    fh = open(args.json, "a") if args.json else None
+
+    def emit(rec):
+        rec = {**rec, **env}
+        print(json.dumps(rec), flush=True)
+        if fh is not None:
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+
+    records = []
+    try:
+        for tag, shape in shapes.items():
+            records += bench_shape(tag, shape, args, device, emit)
+    finally:
+        if fh is not None:
+            fh.close()
+    print_table(records)
+    # peers may be missing or run out of memory; ours may not fail
+    return 1 if any("error" in r for r in records if r["method"].startswith("ours")) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
