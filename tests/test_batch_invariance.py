@@ -4,7 +4,8 @@ With the option on, a token's per-token outputs -- log-prob, entropy, loss with 
 -- and its row of the logits' / hidden's gradient are BITWISE equal (``torch.equal``) whatever the
 other tokens of the call: the token alone (N=1), at position 137 of N=300, at position 5 of N=130
 (other random rows each time), each with ``chunks`` 1, 3 and "auto". Checked for the four ops, fp32
-and bf16 inputs, at TP 1, 2 and 3 (uneven shards: V=521) on gloo. The mode is also checked to be
+and bf16 inputs, at TP 1, 2 and 3 (uneven shards: V=521) on gloo, and at TP 1 and 2 on CUDA where
+there is a GPU. The mode is also checked to be
 right (against a float64 reference of the gathered logits) and agreed across ranks (a rank that
 disagrees, or ``sequence_parallel``, raises on every rank). Token sums (dW, a mean loss) are not
 batch invariant and are not asserted to be.
@@ -40,19 +41,21 @@ def _batch(n: int, pos: int, row_h, row_t, seed: int):
     return h, t
 
 
-def _ops(rank, world, group, dtype, weight):
+def _ops(rank, world, group, dtype, weight, device):
     """Each op as ``fn(h_full [n, H] float64, t) -> (outputs, gradient rows)`` on this rank, with a
-    fixed upstream gradient per token (the row's is the same in every context)."""
-    w = shard(weight, world, rank, 0).to(dtype)
+    fixed upstream gradient per token (the row's is the same in every context); the inputs are
+    made on the CPU and moved to ``device``."""
+    w = shard(weight, world, rank, 0).to(device, dtype)
 
     def upstream(t):  # the same weight for every token: the studied row's is the same in every batch
-        return torch.full((t.numel(),), 0.75)
+        return torch.full((t.numel(),), 0.75, device=device)
 
     def logits_op(name):
         def run(h, t, chunks, invariant=True):
             # the logits themselves made row by row in float64 (a GEMM of N rows is what this mode
             # avoids inside the ops: the test's input must not depend on N either)
-            x = shard(torch.stack([r @ weight.t() for r in h]), world, rank).to(dtype).requires_grad_()
+            x = shard(torch.stack([r @ weight.t() for r in h]), world, rank).to(device, dtype).requires_grad_()
+            t = t.to(device)
             u = upstream(t)
             if name == "token_logprobs":
                 lp, ent = vparallel_ce.token_logprobs(x, t, group=group, with_entropy=True, chunks=chunks,
@@ -69,7 +72,8 @@ def _ops(rank, world, group, dtype, weight):
 
     def linear_op(name):
         def run(h, t, chunks, invariant=True):
-            hh = h.to(dtype).requires_grad_()
+            hh = h.to(device, dtype).requires_grad_()
+            t = t.to(device)
             ww = w.detach().clone().requires_grad_()
             u = upstream(t)
             if name == "linear_token_logprobs":
@@ -116,30 +120,30 @@ def _reference(name, h, weight, t, pos, round_to=None):
     return outs, hh.grad[pos]
 
 
-def invariance_rank(rank, world, dtype_name):
+def invariance_rank(rank, world, dtype_name, device="cpu"):
     """TP ``world`` and, on the first two ranks, TP 2 (one pool of processes: spawning is the cost)."""
     import torch.distributed as dist
 
     if world == 1:
-        return _invariance(0, 1, None, dtype_name)
+        return _invariance(0, 1, None, dtype_name, device)
     pair = dist.new_group([0, 1])  # every rank takes part in making it
-    failures = _invariance(rank, 2, pair, dtype_name) if rank < 2 else []
-    return failures + _invariance(rank, world, dist.group.WORLD, dtype_name)
+    failures = _invariance(rank, 2, pair, dtype_name, device) if rank < 2 else []
+    return failures + _invariance(rank, world, dist.group.WORLD, dtype_name, device)
 
 
-def _invariance(rank, world, group, dtype_name):
+def _invariance(rank, world, group, dtype_name, device="cpu"):
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(11)
     weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.4
     row_h = torch.randn(H, generator=g, dtype=torch.float64)
     row_t = torch.tensor(321)  # owned by rank 0 at TP 2, rank 0 at TP 3
     failures = []
-    for name, op in _ops(rank, world, group, dtype, weight).items():
+    for name, op in _ops(rank, world, group, dtype, weight, device).items():
         seen = None
         for (n, pos), chunks in RUNS:
             h, t = _batch(n, pos, row_h, row_t, seed=n)
             outs, grad = op(h, t, chunks)
-            mine = tuple(o[pos] for o in outs) + (grad[pos],)
+            mine = tuple(o[pos].cpu() for o in outs) + (grad[pos].cpu(),)
             where = f"{name} {dtype_name} TP{world} N={n} pos={pos} chunks={chunks}"
             if n > 2 * TILE and chunks == 3:  # every row of every tile, padded last one included
                 default_outs, default_grad = op(h, t, chunks, invariant=False)
@@ -170,6 +174,18 @@ def _invariance(rank, world, group, dtype_name):
 @pytest.mark.parametrize("world", [1, 3])  # world 3 runs TP 2 on two of its ranks too
 def test_rows_are_bitwise_identical_whatever_the_batch(world, dtype):
     results = run_ranks(invariance_rank, world, dtype) if world > 1 else [invariance_rank(0, 1, dtype)]
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_rows_are_bitwise_identical_on_cuda(world, dtype):
+    """The same on CUDA tensors (ranks of one GPU, gloo carrying CUDA tensors): cuBLAS picks its
+    kernels by shape, so this is where a shape-dependent GEMM would show."""
+    results = (run_ranks(invariance_rank, world, dtype, "cuda") if world > 1
+               else [invariance_rank(0, 1, dtype, "cuda")])
     failures = [f for per_rank in results for f in per_rank]
     assert not failures, "\n".join(failures)
 

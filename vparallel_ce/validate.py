@@ -176,14 +176,15 @@ _CACHED_TYPES = (int, float, str, bool, type(None), ChunkPolicy, torch.dtype)
 
 def check_options(**options) -> Problem | None:
     """Check the keyword options a call was given (only those named)."""
-    # no cache while dynamo traces a call (vparallel_ce.compiled): it would guard the graph on the
-    # cache's contents, which the check itself changes
+    # the cache is not even read while dynamo traces a call (vparallel_ce.compiled): reading it
+    # would guard the graph on its contents, so any later eager call that adds an entry would make
+    # the graph recompile (and older dynamo refuses to guard on the policies it holds)
     cached = not torch.compiler.is_compiling()
     for name, value in options.items():
         # the type is part of the key: True == 1 == 1.0, but chunks=True is not chunks=1
         key = (name, type(value), value) if cached and type(value) in _CACHED_TYPES else None
         try:
-            if key in _GOOD_OPTIONS:
+            if key is not None and key in _GOOD_OPTIONS:
                 continue
         except TypeError:  # a ChunkPolicy holding an unhashable field: checked, never cached
             key = None
