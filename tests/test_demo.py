@@ -131,8 +131,11 @@ def test_two_nodes_on_loopback(tmp_path, reference):
 
 
 def test_layout_that_does_not_fit_the_world_fails(tmp_path):
-    proc = run(torchrun_cmd(2, "--master-port", str(free_port()), str(DEMO), "--tp", "1", "--pp", "2", "--dp", "2"),
-               cwd=tmp_path, timeout=120)
+    """The layout is checked before the process group exists: one process given torchrun's
+    environment for a world of 2 prints what each rank of ``torchrun --nproc_per_node 2`` does."""
+    proc = subprocess.run([sys.executable, str(DEMO), "--tp", "1", "--pp", "2", "--dp", "2"], cwd=tmp_path,
+                          env={**_cpu_env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert proc.returncode != 0
     assert "train_demo.py: error: tp*pp*dp = 1*2*2 but the world size is 2" in proc.stdout + proc.stderr
     assert not STEP_RE.search(proc.stdout)
