@@ -5,9 +5,9 @@ With the option on, a token's per-token outputs -- log-prob, entropy, loss with 
 other tokens of the call: the token alone (N=1), at position 137 of N=300, at position 5 of N=130
 (other random rows each time), each with ``chunks`` 1, 3 and "auto". Checked for the four ops, fp32
 and bf16 inputs, at TP 1, 2 and 3 (uneven shards: V=521) on gloo, and at TP 1 and 2 on CUDA where
-there is a GPU. The mode is also checked to be
-right (against a float64 reference of the gathered logits) and agreed across ranks (a rank that
-disagrees, or ``sequence_parallel``, raises on every rank). Token sums (dW, a mean loss) are not
+there is a GPU. The mode is also checked to be right (against a float64 reference of the gathered
+logits) and agreed across ranks (a rank that disagrees, or ``sequence_parallel``, raises on every
+rank). Token sums (dW, a mean loss) are not
 batch invariant and are not asserted to be.
 """
 

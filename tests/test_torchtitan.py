@@ -327,10 +327,9 @@ def _compare_specs(assets, tmp, nproc, *extra):
 @needs_titan
 def test_world1_matches_default_eager_and_with_the_loss_compiled(assets, tmp_path):
     """One process, torchtitan's AMP (bf16 autocast): the fused head casts like F.linear would.
-    Then ``--compile.components loss``: torchtitan would compile its own loss, our specs compile
-    theirs (aot_eager: no C++ compiler in the test), and the curves stay the default's (the
-    default's eager curve is the reference: compiling its plain loss moves it by far less than the
-    curves' tolerance)."""
+    Then with ``--compile.components loss`` our specs compile their loss (aot_eager: no C++
+    compiler in the test) and the curves stay the default's eager one (compiling the default's
+    plain loss would move it by far less than the curves' tolerance)."""
     want = _curve(_compare_specs(assets, tmp_path, 1)["llama3"])
     compiled_flags = ("--compile.enable", "--compile.components", "loss", "--compile.backend", "aot_eager")
     (tmp_path / "compiled").mkdir()

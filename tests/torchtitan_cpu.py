@@ -8,7 +8,7 @@ has the few functions torchtitan calls (memory numbers: peak RSS), and makes FSD
 reduction use plain sums, since gloo has no PREMUL_SUM (FSDP uses it for torchtitan's divide
 factor of 1), and skips the trainer's 2-second sleep after its last step (a pause for other ranks'
 logs; here every rank has finished its last collective by then, and the tests launch the trainer
-15 times). Nothing else changes: the trainer, the train specs and the log lines are torchtitan's.
+a dozen times). Nothing else changes: the trainer, the train specs and the log lines are torchtitan's.
 Test helper only; not part of the library.
 """
 
