@@ -7,8 +7,7 @@ other tokens of the call: the token alone (N=1), at position 137 of N=300, at po
 and bf16 inputs, at TP 1, 2 and 3 (uneven shards: V=521) on gloo, and at TP 1 and 2 on CUDA where
 there is a GPU. The mode is also checked to be right (against a float64 reference of the gathered
 logits) and agreed across ranks (a rank that disagrees, or ``sequence_parallel``, raises on every
-rank). Token sums (dW, a mean loss) are not
-batch invariant and are not asserted to be.
+rank). Token sums (dW, a mean loss) are not batch invariant and are not asserted to be.
 """
 
 from __future__ import annotations
@@ -170,12 +169,17 @@ def _invariance(rank, world, group, dtype_name, device="cpu"):
     return failures
 
 
+def _assert_invariant(world, dtype, device):
+    results = (run_ranks(invariance_rank, world, dtype, device) if world > 1
+               else [invariance_rank(0, 1, dtype, device)])
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("world", [1, 3])  # world 3 runs TP 2 on two of its ranks too
 def test_rows_are_bitwise_identical_whatever_the_batch(world, dtype):
-    results = run_ranks(invariance_rank, world, dtype) if world > 1 else [invariance_rank(0, 1, dtype)]
-    failures = [f for per_rank in results for f in per_rank]
-    assert not failures, "\n".join(failures)
+    _assert_invariant(world, dtype, "cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -184,10 +188,7 @@ def test_rows_are_bitwise_identical_whatever_the_batch(world, dtype):
 def test_rows_are_bitwise_identical_on_cuda(world, dtype):
     """The same on CUDA tensors (ranks of one GPU, gloo carrying CUDA tensors): cuBLAS picks its
     kernels by shape, so this is where a shape-dependent GEMM would show."""
-    results = (run_ranks(invariance_rank, world, dtype, "cuda") if world > 1
-               else [invariance_rank(0, 1, dtype, "cuda")])
-    failures = [f for per_rank in results for f in per_rank]
-    assert not failures, "\n".join(failures)
+    _assert_invariant(world, dtype, "cuda")
 
 
 def test_tiles_and_chunks_of_whole_tiles():

@@ -94,17 +94,23 @@ def _assert_same(got, want):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_fullgraph_at_world_1_equals_eager(case):
-    fn = CASES[case]
-    inputs = _inputs()
-    torch._dynamo.reset()
+def _graph_counter():
+    """A backend that keeps every graph dynamo hands it (then runs BACKEND), and that list."""
     graphs = []
 
     def count_graphs(gm, example_inputs):
         graphs.append(gm)
         return lookup_backend(BACKEND)(gm, example_inputs)
 
+    return count_graphs, graphs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fullgraph_at_world_1_equals_eager(case):
+    fn = CASES[case]
+    inputs = _inputs()
+    torch._dynamo.reset()
+    count_graphs, graphs = _graph_counter()
     _assert_same(_run(torch.compile(fn, fullgraph=True, backend=count_graphs), *inputs), _run(fn, *inputs))
     assert len(graphs) == 1
     if case.startswith(("cross", "linear", "token")):  # the op is one custom op of the graph
@@ -118,12 +124,7 @@ def test_eager_calls_between_compiled_calls_do_not_recompile():
     compiled function, as a trainer's would."""
     _, hidden, weight, _, target = _inputs()
     policy = v.ChunkPolicy(min_chunk_tokens=4)
-    graphs = []
-
-    def count_graphs(gm, example_inputs):
-        graphs.append(gm)
-        return lookup_backend(BACKEND)(gm, example_inputs)
-
+    count_graphs, graphs = _graph_counter()
     torch._dynamo.reset()
     compiled = torch.compile(lambda h, w, t: v.linear_cross_entropy(h, w, t, chunks=2, policy=policy),
                              fullgraph=True, backend=count_graphs)

@@ -59,8 +59,9 @@ def torchrun_cmd(nproc: int, *launcher_args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *launcher_args]
 
 
-def run(cmd: list[str], cwd: Path, timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, env=_cpu_env(), capture_output=True, text=True, timeout=timeout,
+def run(cmd: list[str], cwd: Path, timeout: float = RUN_TIMEOUT, **env: str) -> subprocess.CompletedProcess:
+    """``cmd`` in the CPU environment, with ``env`` added to it."""
+    return subprocess.run(cmd, cwd=cwd, env={**_cpu_env(), **env}, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 
 
@@ -133,9 +134,8 @@ def test_two_nodes_on_loopback(tmp_path, reference):
 def test_layout_that_does_not_fit_the_world_fails(tmp_path):
     """The layout is checked before the process group exists: one process given torchrun's
     environment for a world of 2 prints what each rank of ``torchrun --nproc_per_node 2`` does."""
-    proc = subprocess.run([sys.executable, str(DEMO), "--tp", "1", "--pp", "2", "--dp", "2"], cwd=tmp_path,
-                          env={**_cpu_env(), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
-                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    proc = run([sys.executable, str(DEMO), "--tp", "1", "--pp", "2", "--dp", "2"], cwd=tmp_path, timeout=120,
+               RANK="0", WORLD_SIZE="2", LOCAL_RANK="0")
     assert proc.returncode != 0
     assert "train_demo.py: error: tp*pp*dp = 1*2*2 but the world size is 2" in proc.stdout + proc.stderr
     assert not STEP_RE.search(proc.stdout)
