@@ -156,6 +156,14 @@ def errors_of(calls: dict, group=None) -> dict:
     return errors
 
 
+def unmet(cases: dict, where: str, group=None) -> list[str]:
+    """Run :func:`errors_of` on ``{name: (call, words)}`` and return a failure for each case that
+    did not raise or whose message lacks one of its ``words``, prefixed by ``where``."""
+    errors = errors_of({name: call for name, (call, _) in cases.items()}, group)
+    return [f"{where} {name}: {errors[name]!r} lacks {words}" for name, (_, words) in cases.items()
+            if errors[name] is None or not all(w in errors[name] for w in words)]
+
+
 @contextlib.contextmanager
 def one_thread():
     """In-process cases on tiny tensors: a thread pool's hand-offs cost far more than the math on

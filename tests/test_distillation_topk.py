@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import vparallel_ce
 from vparallel_ce import TailMode, TopKTeacher
-from tests.dist import errors_of, one_thread, run_ranks
+from tests.dist import errors_of, one_thread, run_ranks, unmet
 from tests.reference import TOL, local_grad, rel_err, shard, token_reference
 from tests.test_distillation import IGNORES, KINDS, judge
 
@@ -219,12 +219,7 @@ def bad_input_rank(rank, world, group, vocab):
         "sparse on some ranks only": (call(teacher=t if odd else None), ["teacher"]),
         "hard weight without a target": (call(tgt=None, hard_weight=0.5), ["needs a target"]),
     }
-    errors = errors_of({name: c for name, (c, _) in cases.items()}, group)
-    failures = []
-    for name, (_, words) in cases.items():
-        error = errors[name]
-        if error is None or not all(w in error for w in words):
-            failures.append(f"TP {world} rank {rank} {name}: {error!r} lacks {words}")
+    failures = unmet(cases, f"TP {world} rank {rank}", group)
     # check=False (with the vocab size known: no exchange) skips the value checks
     skipped = errors_of({"unchecked": call(i=at(ids, (0, 0, 1), vocab), check=False, vocab_size=vocab)}, group)
     if skipped["unchecked"] is not None:

@@ -35,7 +35,7 @@ from .stats import LossSpec
 from .options import Options
 from .topk import TailMode, TopKTeacher
 from .validate import (
-    DeferredTargetCheck, Facts, agree, check_call_options, check_linear, check_linear_teacher, check_logits,
+    DeferredTargetCheck, Facts, Problem, agree, check_call_options, check_linear, check_linear_teacher, check_logits,
     check_teacher, check_topk_teacher, check_topk_values, hidden_checksum, replication_checked,
 )
 
@@ -222,14 +222,16 @@ def distillation_call(student, teacher, target, *, group, options: Options
 
 
 def linear_call(hidden, weight, target, bias, *, op: str, group, options: Options, more_checks=None,
-                target_given: bool = True, also_replicated=(), prefix: str = "",
+                target_given: bool = True, also_replicated=(), prefix: str = "", teacher=None,
                 distillation: Callable[[torch.Tensor], DistillShape] | None = None) -> tuple[Call, LinearInputs]:
     """The front door of ops over hidden states and this rank's lm_head shard ``[V_local, H]``
     (arguments as in :func:`logits_call`; ``more_checks`` is given the local hidden, weight and the
     enclosing autocast dtype). ``also_replicated``: more local ``[..., H']`` tensors that must be
     replicated like ``hidden`` (their checksums ride on the same fact); ``prefix``: before the
-    argument names in messages; ``distillation``: the distillation memory model's shape for the
-    plan, made from the checked local weight (None: the CE's plan)."""
+    argument names in messages; ``teacher``: a distillation's sparse teacher
+    (:class:`~vparallel_ce.topk.TopKTeacher`), whose facts the ranks agree on; ``distillation``:
+    the distillation memory model's shape for the plan, made from the checked local weight (None:
+    the CE's plan)."""
     o = options
     hidden, weight, target, bias, group, dt_vocab = _unwrap_linear(hidden, weight, target, bias, group,
                                                                    o.sequence_parallel)
@@ -254,7 +256,8 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
             # int64 sums wrap: the sum of the checksums is as exact a fact as each
             replicated = sum((hidden_checksum(x) for x in also_replicated), hidden_checksum(hidden))
         return Facts.of(op=op, options=o, inputs=(hidden, weight, bias), target=target, target_checksum=target_checksum,
-                        hidden_checksum=replicated, fused=fused, matmul_dtype=matmul, target_given=target_given)
+                        hidden_checksum=replicated, fused=fused, matmul_dtype=matmul, target_given=target_given,
+                        teacher=teacher)
 
     agreed = agree(problem, group, local_size=lambda: weight.shape[0], facts=facts, device=_device(weight),
                    options=o, vocab_size=vocab_size, target=target)
@@ -299,17 +302,47 @@ def settles_check(backward):
 
 def linear_distillation_call(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
                              teacher_bias, *, group, options: Options
-                             ) -> tuple[Call, LinearInputs, TeacherInputs]:
+                             ) -> tuple[Call, LinearInputs, TeacherInputs | TopKRows]:
     """The front door of :func:`vparallel_ce.linear_distillation_loss`: :func:`linear_call` on the
-    student's side, with the teacher's checked against it (the same tokens and vocab shard, the
-    same device, the student's dtype outside autocast; a replicated teacher hidden is checked to be
-    replicated too), and the teacher's local ``[N, H_t]`` rows, lm_head shard and bias besides.
-    Without a target the call exchanges a stand-in of zeros, as :func:`distillation_call`. The
-    teacher's DTensors unwrap as the student's (its group is the student's)."""
+    student's side, with the teacher's checked against it, and the teacher's local rows besides.
+    A dense teacher (:class:`TeacherInputs`: ``[N, H_t]`` rows, lm_head shard, bias) must see the
+    same tokens and vocab shard on the same device, in the student's dtype outside autocast; a
+    replicated teacher hidden is checked to be replicated too; its DTensors unwrap as the
+    student's (its group is the student's). A sparse teacher (:class:`TopKRows`), given as
+    ``teacher_hidden`` with no teacher weight or bias, holds ``[..., k]`` ids and log-probs over
+    the student's token dims -- with sequence parallelism this rank's tokens, as the hidden
+    states -- and its values are checked as :func:`distillation_call` checks them, the ranks
+    joining their verdicts when each holds its own tokens. Without a target the call exchanges a
+    stand-in of zeros, as :func:`distillation_call`."""
     given = target is not None
     target = target if given else _stand_in_target(student_hidden)
-    t_hidden, t_weight, _, t_bias, _, _ = _unwrap_linear(teacher_hidden, teacher_weight, None, teacher_bias, None,
-                                                         options.sequence_parallel)
+    sp = bool(options.sequence_parallel)
+    if isinstance(teacher_hidden, TopKTeacher):
+        # with sequence parallelism the record holds this rank's tokens, as the hidden states
+        unwrap = (lambda x, _: local(x)) if sp else _replicated
+        teacher = TopKTeacher(unwrap(teacher_hidden.ids, "TopKTeacher.ids"),
+                              unwrap(teacher_hidden.logprobs, "TopKTeacher.logprobs"), tail=teacher_hidden.tail)
+
+        def more_checks(hidden, weight, amp):
+            if teacher_weight is not None or teacher_bias is not None:
+                return Problem(TypeError, "a TopKTeacher in place of teacher_hidden is the whole teacher: pass no "
+                                          "teacher_weight or teacher_bias with it")
+            return check_topk_teacher(hidden, teacher, target_given=given, hard_weight=options.hard_weight,
+                                      student_name="student_hidden")
+
+        call, inp = linear_call(student_hidden, student_weight, target, student_bias, op="linear_distillation_loss",
+                                group=group, options=options, more_checks=more_checks, target_given=given,
+                                prefix="student_", teacher=teacher,
+                                distillation=lambda weight: _distill_shape(options, (weight.shape[-1], 0)))
+        n, k = inp.target.numel(), teacher.ids.shape[-1]
+        rows = TopKRows(_rows(teacher.ids, n, k).to(torch.int64), _rows(teacher.logprobs, n, k),
+                        TailMode(teacher.tail))
+        if options.check:
+            valid = inp.target != options.ignore_index if given else None
+            check_topk_values(rows.ids, rows.logprobs, valid, call.layout.vocab_size, rows.tail,
+                              group=call.layout.group if call.sequence_parallel else None)
+        return call, inp, rows
+    t_hidden, t_weight, _, t_bias, _, _ = _unwrap_linear(teacher_hidden, teacher_weight, None, teacher_bias, None, sp)
 
     def more_checks(hidden, weight, amp):
         return check_linear_teacher(hidden, weight, t_hidden, t_weight, t_bias, autocast_dtype=amp, target_given=given,

@@ -16,17 +16,16 @@ all-reduce per chunk, the SUM carrying the student's logits at the ``k`` ids.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
 from .call import Call, TopKRows, autocast_off, distillation_call, settles_check
-from .divergence import Divergence, DistillSpec, grad_student, statistics, token_loss
-from .topk import TailMode, topk_grad_student, topk_statistics
+from .divergence import Divergence, DistillSpec, token_loss
 from .options import Options
 from .policy import ChunkPolicy
 from .second_order import first_order_only
 from .stats import local_targets, reduce, token_slices, token_weights
+from .teacher import DENSE, TopKMath
 
 __all__ = ["distillation_loss"]
 
@@ -102,43 +101,15 @@ def _distillation(student_logits, teacher_logits, target, group, options: Option
     o = options
     spec = DistillSpec(Divergence(o.divergence), float(o.beta), float(o.temperature), float(o.hard_weight))
     if isinstance(teacher, TopKRows):
-        math, tensors = _TopKMath(teacher.tail), (teacher.ids, teacher.logprobs.detach())
+        math, tensors = TopKMath(teacher.tail), (teacher.ids, teacher.logprobs.detach())
     else:
-        math, tensors = _DENSE, (teacher.detach(),)
+        math, tensors = DENSE, (teacher.detach(),)
     out = _Distillation.apply(inp.x, inp.target, target is not None, spec, call, math, *tensors)
     return out.reshape(inp.shape) if o.reduction == "none" else out
 
 
-class _DenseMath:
-    """The teacher's logits ``[N, V_local]``: :mod:`vparallel_ce.divergence`."""
-
-    @staticmethod
-    def statistics(s, teacher, local_t, owned, spec, call):
-        return statistics(s, teacher[0], local_t, owned, spec, call.layout)
-
-    @staticmethod
-    def grad(s, teacher, local_t, owned, st, w, spec, call):
-        return grad_student(s, teacher[0], local_t, owned, st, w, spec)
-
-
-_DENSE = _DenseMath()
-
-
-@dataclass(frozen=True)
-class _TopKMath:
-    """The teacher's top-k ids and log-probs ``[N, k]`` each: :mod:`vparallel_ce.topk`."""
-
-    tail: TailMode
-
-    def statistics(self, s, teacher, local_t, owned, spec, call):
-        return topk_statistics(s, *teacher, local_t, owned, spec, call.layout, self.tail)
-
-    def grad(self, s, teacher, local_t, owned, st, w, spec, call):
-        return topk_grad_student(s, teacher[0], local_t, owned, st, w, spec, call.layout, self.tail)
-
-
 def _stats_per_chunk(s, teacher, local_t, owned, spec: DistillSpec, call: Call, math):
-    parts = [math.statistics(s[sl], [t[sl] for t in teacher], local_t[sl], owned[sl], spec, call)
+    parts = [math.statistics(s[sl], [t[sl] for t in teacher], local_t[sl], owned[sl], spec, call.layout)
              for sl in token_slices(s.shape[0], call.plan.chunks)]
     return type(parts[0])(*(None if f[0] is None else torch.cat(f) for f in zip(*parts)))
 
@@ -182,5 +153,5 @@ class _Distillation(torch.autograd.Function):
             ds = torch.empty_like(s)
             for sl in token_slices(s.shape[0], ctx.call.plan.chunks):
                 ds[sl] = ctx.math.grad(s[sl], [t[sl] for t in teacher], local_t[sl], owned[sl],
-                                       _rows_of(ctx.stats, sl), w[sl], ctx.spec, ctx.call)
+                                       _rows_of(ctx.stats, sl), w[sl], ctx.spec, ctx.call.layout)
         return (ds, None, None, None, None, None) + (None,) * len(teacher)

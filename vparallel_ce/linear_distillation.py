@@ -23,6 +23,12 @@ with ``sequence_parallel`` this rank's token rows of it (chunk rows all-gathered
 reduce-scattered) -- the row and gradient machinery is :mod:`vparallel_ce.linear`'s (``Rows``,
 ``Grads``). Under ``torch.autocast`` all four GEMMs run in the autocast dtype; the statistics are
 fp32; each gradient comes back in its input's dtype. The teacher gets no gradient.
+
+A sparse teacher (:class:`vparallel_ce.TopKTeacher`, an offline cache's top-k ids and log-probs) in
+place of the teacher's hidden states and lm_head replaces step 1's teacher GEMM by the chunk's rows
+of the record (all-gathered with the hidden rows under sequence parallelism) and step 2 by
+:func:`vparallel_ce.topk.topk_statistics`; the per-chunk math of each kind of teacher is
+:mod:`vparallel_ce.teacher`'s, so the Function below holds no branch on it.
 """
 
 from __future__ import annotations
@@ -31,14 +37,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .call import Call, TeacherInputs, autocast_off, linear_distillation_call, settles_check
-from .divergence import Divergence, DistillSpec, DistillStats, grad_student, statistics, token_loss
+from .call import Call, TopKRows, autocast_off, linear_distillation_call, settles_check
+from .divergence import Divergence, DistillSpec, token_loss
 from .linear import Grads, Rows, Schedule, logits, matmul_inputs, scale_unit_grads
 from .linear import _cat, _keep, _valid_count  # the CE's per-chunk bookkeeping, the same here
 from .options import Options
 from .policy import ChunkPolicy, GradMode
 from .second_order import first_order_only
 from .stats import compute_dtype, local_targets, reduce, token_weights
+from .teacher import DENSE, TopKMath
+from .topk import TopKTeacher
 
 __all__ = ["linear_distillation_loss"]
 
@@ -46,8 +54,8 @@ __all__ = ["linear_distillation_loss"]
 def linear_distillation_loss(
     student_hidden: torch.Tensor,
     student_weight: torch.Tensor,
-    teacher_hidden: torch.Tensor,
-    teacher_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor | TopKTeacher,
+    teacher_weight: torch.Tensor | None = None,
     target: torch.Tensor | None = None,
     *,
     student_bias: torch.Tensor | None = None,
@@ -77,16 +85,24 @@ def linear_distillation_loss(
         student_weight: ``[V_local, H_s]``, this rank's ``torch.chunk(W_s, world, 0)[rank]`` shard of
             the student's lm_head, or a DTensor ``Shard(0)`` (its mesh gives the group).
         teacher_hidden: ``[..., H_t]``, the teacher's hidden states of the same tokens (``H_t`` may
-            differ from ``H_s``); a constant.
+            differ from ``H_s``); a constant. Or a sparse teacher, :class:`vparallel_ce.TopKTeacher`
+            ``(ids, logprobs, tail=...)``, ``[..., k]`` each over the student hidden's token dims
+            (replicated, or with ``sequence_parallel`` this rank's tokens), in place of the
+            teacher's hidden states AND lm_head: an offline top-k cache against a fused student
+            (the math, the tail modes and the checks as in :func:`vparallel_ce.distillation_loss`;
+            no teacher GEMM; per chunk one MAX and one SUM all-reduce, the SUM ``k + 1`` to
+            ``k + 4`` floats per token).
         teacher_weight: ``[V_local, H_t]``, the teacher's lm_head shard of the SAME vocab rows; a
-            constant.
+            constant. None (the default) with a sparse teacher.
         target: ``[...]`` global ids, or None (every token counts); needed for ``hard_weight > 0``.
-        student_bias, teacher_bias: ``[V_local]`` shards, optional.
+        student_bias, teacher_bias: ``[V_local]`` shards, optional (no ``teacher_bias`` with a
+            sparse teacher).
         group, kind, beta, temperature, ignore_index, reduction, hard_weight, num_valid_tokens,
         vocab_size, check: as in :func:`vparallel_ce.distillation_loss`.
         chunks: token chunks (an int), or ``"auto"``: sized by the distillation memory model
             (:func:`vparallel_ce.policy.distillation_chunk_bytes`: both models' logits chunks and
-            the divergence's temporaries against the policy's budget).
+            the divergence's temporaries against the policy's budget; a sparse teacher counts as
+            ``H_t = 0``, and is over-counted by its logits chunk).
         policy: a :class:`vparallel_ce.policy.ChunkPolicy`; ``vparallel_ce.policy.explain(...,
             distillation=DistillShape(kind, (H_s, H_t)))`` prints the plan a call runs.
         sequence_parallel: as in :func:`vparallel_ce.linear_cross_entropy`: ``sum``/``mean`` over
@@ -115,27 +131,28 @@ def _linear_distillation(student_hidden, student_weight, teacher_hidden, teacher
                                                   target, student_bias, teacher_bias, group=group, options=options)
     o = options
     spec = DistillSpec(Divergence(o.divergence), float(o.beta), float(o.temperature), float(o.hard_weight))
-    constant = TeacherInputs(*(None if x is None else x.detach() for x in (teacher.h, teacher.w, teacher.b)))
-    out = _LinearDistillation.apply(inp.h, inp.w, inp.b, inp.target, constant, target is not None, spec, call)
+    if isinstance(teacher, TopKRows):
+        source = _TopKSource(teacher.ids, teacher.logprobs.detach(), TopKMath(teacher.tail))
+    else:
+        source = _LogitsSource(*(None if x is None else x.detach() for x in (teacher.h, teacher.w, teacher.b)))
+    out = _LinearDistillation.apply(inp.h, inp.w, inp.b, inp.target, source, target is not None, spec, call)
     return out.reshape(inp.shape) if o.reduction == "none" else out
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Chunk:
-    """A token chunk's rows, gathered over the group with sequence parallelism: the student's and
-    the teacher's hidden rows (in the matmul dtype), the targets mapped to this shard, and which
-    rows count (padding rows and ignored tokens do not)."""
+    """A token chunk's student rows, gathered over the group with sequence parallelism: its hidden
+    rows (in the matmul dtype), the targets mapped to this shard, and which rows count (padding
+    rows and ignored tokens do not)."""
 
     h: torch.Tensor  # [c, H_s]
-    th: torch.Tensor  # [c, H_t]
     local_t: torch.Tensor  # [c]
     owned: torch.Tensor  # [c]
     valid: torch.Tensor  # [c] bool
 
 
 class _Walk:
-    """The token chunks of one call over its :class:`~vparallel_ce.linear.Rows`, and the two
-    models' logits of each chunk (the teacher's under ``no_grad``: a constant)."""
+    """The token chunks of one call over its :class:`~vparallel_ce.linear.Rows`."""
 
     def __init__(self, call: Call, target: torch.Tensor, target_given: bool):
         self.call, self.target, self.given = call, target, target_given
@@ -145,7 +162,7 @@ class _Walk:
         self.valid_local = (target != call.spec.ignore_index if target_given
                             else torch.ones_like(target, dtype=torch.bool))
 
-    def chunk(self, c: int, h: torch.Tensor, th: torch.Tensor) -> _Chunk:
+    def chunk(self, c: int, h: torch.Tensor) -> _Chunk:
         call, rows = self.call, self.rows
         t_c = rows.gather(c, self.target, fill=call.spec.ignore_index)
         lay = call.layout
@@ -153,28 +170,74 @@ class _Walk:
                                               all_owned=call.all_owned)
         if not self.given:  # gathered as integers (gloo gathers no bools); padding rows get 0
             valid = rows.gather(c, self.valid_local.to(t_c.dtype), fill=0) != 0
-        return _Chunk(rows.gather(c, h), rows.gather(c, th), local_t, owned, valid)
+        return _Chunk(rows.gather(c, h), local_t, owned, valid)
 
-    def logits(self, ch: _Chunk, weights: tuple, teacher: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(student, teacher)`` logits of the chunk, ``[c, V_loc]`` each."""
+
+@dataclass(frozen=True)
+class _LogitsSource:
+    """A dense teacher: its ``[N, H_t]`` hidden rows and lm_head shard, whose logits each chunk
+    makes under ``no_grad`` (a constant)."""
+
+    h: torch.Tensor
+    w: torch.Tensor
+    b: torch.Tensor | None
+    math = DENSE
+
+    @property
+    def tensors(self) -> tuple:
+        return self.h, self.w, self.b
+
+    def with_tensors(self, h, w, b) -> "_LogitsSource":
+        """The same teacher over ``tensors`` (as saved for backward)."""
+        return _LogitsSource(h, w, b)
+
+    def prepared(self, call: Call) -> "_LogitsSource":
+        """Cast to the matmul dtype (a no-op outside autocast)."""
+        return _LogitsSource(*matmul_inputs(call, self.h, self.w, self.b))
+
+    def chunk(self, call: Call, rows: Rows, c: int) -> tuple[torch.Tensor]:
         with torch.no_grad():
-            t = logits(self.call, ch.th, *teacher)
-        return logits(self.call, ch.h, *weights), t
+            return (logits(call, rows.gather(c, self.h), self.w, self.b),)
+
+
+@dataclass(frozen=True)
+class _TopKSource:
+    """A sparse teacher: its ``[N, k]`` ids and log-probs, whose rows each chunk takes (gathered
+    with sequence parallelism; a padding row's are never read)."""
+
+    ids: torch.Tensor
+    logprobs: torch.Tensor
+    math: TopKMath
+
+    @property
+    def tensors(self) -> tuple:
+        return self.ids, self.logprobs
+
+    def with_tensors(self, ids, logprobs) -> "_TopKSource":
+        return _TopKSource(ids, logprobs, self.math)
+
+    def prepared(self, call: Call) -> "_TopKSource":
+        return self
+
+    def chunk(self, call: Call, rows: Rows, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return rows.gather(c, self.ids), rows.gather(c, self.logprobs)
 
 
 class _LinearDistillation(torch.autograd.Function):
-    """Forward: per chunk both logits, the divergence's statistics (collectives) and, with the
-    plan's gradients in forward, the student's gradients for an upstream gradient of 1; backward:
-    scales those, or recomputes both logits and the gradients chunk by chunk. Autocast is off
-    inside; the matmul dtype comes from the :class:`Call`."""
+    """Forward: per chunk the student's logits and the teacher's chunk (its logits, or its top-k
+    rows), the divergence's statistics (collectives) and, with the plan's gradients in forward,
+    the student's gradients for an upstream gradient of 1; backward: scales those, or recomputes
+    the chunks and the gradients chunk by chunk. ``teacher``: a :class:`_LogitsSource` or
+    :class:`_TopKSource`, whose ``math`` is the chunk's. Autocast is off inside; the matmul dtype
+    comes from the :class:`Call`."""
 
     @staticmethod
-    def forward(ctx, h, w, b, target, teacher: TeacherInputs, target_given: bool, spec: DistillSpec, call: Call):
+    def forward(ctx, h, w, b, target, teacher, target_given: bool, spec: DistillSpec, call: Call):
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         in_forward = any(need) and call.plan.grad_mode is GradMode.IN_FORWARD
         with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
-            thm, twm, tbm = matmul_inputs(call, teacher.h, teacher.w, teacher.b)
+            source = teacher.prepared(call)
             walk = _Walk(call, target, target_given)
             rows = walk.rows
             # mean's divisor, before the first chunk: gradients made in forward weigh by it
@@ -182,13 +245,13 @@ class _LinearDistillation(torch.autograd.Function):
             grads = _grads(call, rows, h, w, b, wm, need) if in_forward else None
             per_token, stats = [], []
             for c in range(len(rows)):
-                ch = walk.chunk(c, hm, thm)
-                s, t = walk.logits(ch, (wm, bm), (twm, tbm))
-                st = statistics(s, t, ch.local_t, ch.owned, spec, call.layout)
+                ch = walk.chunk(c, hm)
+                s, t = logits(call, ch.h, wm, bm), source.chunk(call, rows, c)
+                st = source.math.statistics(s, t, ch.local_t, ch.owned, spec, call.layout)
                 per_token.append(_keep(rows, c, token_loss(st, ch.valid, spec), call.reduction))
                 if in_forward:
-                    unit = token_weights(ch.valid, n_valid, call.reduction, st.t_max.dtype)
-                    _add_grads(grads, rows, c, ch, s, t, st, unit, spec, wm)
+                    unit = token_weights(ch.valid, n_valid, call.reduction, st.divergence.dtype)
+                    _add_grads(grads, rows, c, ch, s, t, st, unit, spec, wm, source.math)
                 else:
                     stats.append(st)
                 del s, t
@@ -196,8 +259,8 @@ class _LinearDistillation(torch.autograd.Function):
             if in_forward:  # only the [N, H_s] / [V_loc, H_s] gradients are kept, no logits
                 ctx.save_for_backward(*grads.finish(rows))
             elif any(need):
-                ctx.save_for_backward(h, w, b, target, teacher.h, teacher.w, teacher.b)
-                ctx.stats, ctx.n_valid, ctx.target_given = stats, n_valid, target_given
+                ctx.save_for_backward(h, w, b, target, *teacher.tensors)
+                ctx.teacher, ctx.stats, ctx.n_valid, ctx.target_given = teacher, stats, n_valid, target_given
             return call.settle_forward(ctx, reduce(_cat(per_token), n_valid, call.reduction))
 
     @staticmethod
@@ -208,23 +271,23 @@ class _LinearDistillation(torch.autograd.Function):
         if ctx.in_forward:  # made in forward for grad_out == 1: scale by the scalar
             return scale_unit_grads(ctx.saved_tensors, grad_out) + nothing
         call, spec = ctx.call, ctx.spec
-        h, w, b, target, th, tw, tb = ctx.saved_tensors
+        h, w, b, target, *teacher = ctx.saved_tensors
         with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
-            thm, twm, tbm = matmul_inputs(call, th, tw, tb)
+            source = ctx.teacher.with_tensors(*teacher).prepared(call)
             walk = _Walk(call, target, ctx.target_given)
             rows = walk.rows
             grads = _grads(call, rows, h, w, b, wm, ctx.need)
             g_local = grad_out.reshape(-1) if call.reduction == "none" else None
             for c in range(len(rows)):
-                ch = walk.chunk(c, hm, thm)
+                ch = walk.chunk(c, hm)
                 st = ctx.stats[c]
-                r = token_weights(ch.valid, ctx.n_valid, call.reduction, st.t_max.dtype)
+                r = token_weights(ch.valid, ctx.n_valid, call.reduction, st.divergence.dtype)
                 g = rows.gather(c, g_local) if g_local is not None else grad_out
                 # an ignored token's weight (exactly 0) stays 0 whatever the upstream gradient, nan included
                 weight = torch.where(r == 0, r, r * g.to(r.dtype))
-                s, t = walk.logits(ch, (wm, bm), (twm, tbm))
-                _add_grads(grads, rows, c, ch, s, t, st, weight, spec, wm)
+                s, t = logits(call, ch.h, wm, bm), source.chunk(call, rows, c)
+                _add_grads(grads, rows, c, ch, s, t, st, weight, spec, wm, source.math)
                 del s, t
             return grads.finish(rows) + nothing
 
@@ -235,12 +298,13 @@ def _grads(call: Call, rows: Rows, h, w, b, wm, need) -> Grads:
     return Grads(h, w, b, need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=whole)
 
 
-def _add_grads(grads: Grads, rows: Rows, c: int, ch: _Chunk, s, t, st: DistillStats, weight, spec: DistillSpec,
-               wm) -> None:
+def _add_grads(grads: Grads, rows: Rows, c: int, ch: _Chunk, s, teacher: tuple, st, weight, spec: DistillSpec, wm,
+               math) -> None:
     """Chunk ``c``'s ``d (sum_i weight_i loss_i)`` into the student's buffers: the logits' gradient
     in fp32 (``db`` sums it unrounded), the two GEMMs on it in the matmul dtype."""
     dh_rows = grads.rows_of(rows, c, ch.h)
     if s.shape[-1]:  # an empty vocab shard adds nothing (its dh rows stay 0 until the sum over the group)
-        ds = grad_student(s, t, ch.local_t, ch.owned, st, weight, spec, out_dtype=compute_dtype(s.dtype))
+        ds = math.grad(s, teacher, ch.local_t, ch.owned, st, weight, spec, rows.call.layout,
+                       out_dtype=compute_dtype(s.dtype))
         grads.add_block(slice(0, s.shape[-1]), ds, ch.h, wm, dh_rows)
     grads.end_chunk(rows, c, dh_rows)

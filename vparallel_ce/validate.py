@@ -270,10 +270,12 @@ def _hard_term_target(target_given: bool, hard_weight: float) -> Problem | None:
     return None
 
 
-def check_topk_teacher(student: torch.Tensor, teacher, *, target_given: bool, hard_weight: float) -> Problem | None:
+def check_topk_teacher(student: torch.Tensor, teacher, *, target_given: bool, hard_weight: float,
+                       student_name: str = "student_logits") -> Problem | None:
     """A :class:`~vparallel_ce.topk.TopKTeacher`'s tensors against the (checked) student's local
-    logits: ``[..., k]`` integer ids and float log-probs over the student's token dims. Their values
-    are checked after the exchange (:func:`check_topk_values`)."""
+    ``[..., V_local]`` logits or ``[..., H_s]`` hidden states (``student_name``, for messages):
+    ``[..., k]`` integer ids and float log-probs over the student's token dims. Their values are
+    checked after the exchange (:func:`check_topk_values`)."""
     ids, logprobs = teacher.ids, teacher.logprobs
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
         what = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
@@ -286,12 +288,12 @@ def check_topk_teacher(student: torch.Tensor, teacher, *, target_given: bool, ha
     token_dims = tuple(student.shape[:-1])
     if ids.dim() < 1 or tuple(ids.shape[:-1]) != token_dims or ids.shape[-1] < 1:
         return Problem(InvalidInputError, f"TopKTeacher.ids shape {tuple(ids.shape)} is not [*token dims, k] with "
-                                          f"k >= 1 for student_logits {tuple(student.shape)} (token dims {token_dims})")
+                                          f"k >= 1 for {student_name} {tuple(student.shape)} (token dims {token_dims})")
     if tuple(logprobs.shape) != tuple(ids.shape):
         return Problem(InvalidInputError, f"TopKTeacher.logprobs shape {tuple(logprobs.shape)} does not match its ids "
                                           f"{tuple(ids.shape)}")
     if ids.device != student.device or logprobs.device != student.device:
-        return Problem(ValueError, f"TopKTeacher is on {ids.device}/{logprobs.device} but student_logits on "
+        return Problem(ValueError, f"TopKTeacher is on {ids.device}/{logprobs.device} but {student_name} on "
                                    f"{student.device}")
     return _hard_term_target(target_given, hard_weight)
 
@@ -302,14 +304,30 @@ TOPK_SUM_TOL = {torch.float64: 1e-9, torch.float32: 1e-5, torch.bfloat16: 3e-2, 
 
 
 def check_topk_values(ids: torch.Tensor, logprobs: torch.Tensor, valid: torch.Tensor | None, vocab_size: int,
-                      tail) -> None:
+                      tail, *, group=None) -> None:
     """A sparse teacher's ``[N, k]`` values on the tokens that count (``valid``; None: all): ids in
     ``[0, V)`` and distinct within a row, log-probs ``<= 0`` (not nan), with ``BUCKET`` their
     probabilities summing to at most ``1 + TOPK_SUM_TOL``, with ``RENORMALIZE`` some mass in each
-    row. Raises :class:`InvalidInputError`. Called once the ranks agree on these values (the
-    exchange compares their checksums), so every rank raises the same error; one host read."""
+    row. Raises :class:`InvalidInputError`; one host read. Called once the ranks agree on these
+    values (the exchange compares their checksums), so every rank raises the same error -- or,
+    with ``group`` (sequence parallelism: each rank holds its own tokens' rows), after one more
+    all-gather of every rank's verdict, naming the ranks whose rows are bad."""
+    problem = _topk_problem(ids, logprobs, valid, vocab_size, tail)
+    if group is not None and comm.is_sharded(group):
+        bad = [r for r, (flag,) in enumerate(comm.all_gather_ints([problem is not None], group, ids.device)) if flag]
+        if not bad:
+            return
+        said = comm.all_gather_objects(problem, group)
+        raise InvalidInputError("; ".join(f"rank {r}: {said[r]}" for r in bad))
+    if problem is not None:
+        raise InvalidInputError(problem)
+
+
+def _topk_problem(ids: torch.Tensor, logprobs: torch.Tensor, valid: torch.Tensor | None, vocab_size: int,
+                  tail) -> str | None:
+    """What :func:`check_topk_values` finds wrong with one rank's rows, or None."""
     if ids.numel() == 0:
-        return
+        return None
     rows = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device) if valid is None else valid
     keep = rows.unsqueeze(-1)
     out = ~((ids >= 0) & (ids < vocab_size)) & keep
@@ -323,26 +341,24 @@ def check_topk_values(ids: torch.Tensor, logprobs: torch.Tensor, valid: torch.Te
         over = (lse == float("-inf")) & rows
     flags = torch.stack([out.any(), repeated.any(), positive.any(), over.any()]).tolist()
     if not any(flags):
-        return
+        return None
     if flags[0]:
         bad = ids[out][0].item()
-        raise InvalidInputError(f"TopKTeacher.ids hold id(s) outside [0, {vocab_size}) on tokens that count (e.g. "
-                                f"{bad}); pass check=False to skip this check")
+        return (f"TopKTeacher.ids hold id(s) outside [0, {vocab_size}) on tokens that count (e.g. {bad}); pass "
+                "check=False to skip this check")
     if flags[1]:
         row = repeated.any(-1).nonzero()[0, 0].item()
-        raise InvalidInputError(f"TopKTeacher.ids repeat an id within a token's row (token {row}: "
-                                f"{ids[row].tolist()[:16]}): the top-k ids must be distinct")
+        return (f"TopKTeacher.ids repeat an id within a token's row (token {row}: {ids[row].tolist()[:16]}): the "
+                "top-k ids must be distinct")
     if flags[2]:
-        bad = logprobs[positive][0].item()
-        raise InvalidInputError(f"TopKTeacher.logprobs must be log-probabilities (<= 0, not nan), got {bad}")
+        return f"TopKTeacher.logprobs must be log-probabilities (<= 0, not nan), got {logprobs[positive][0].item()}"
     row = over.nonzero()[0, 0].item()
     if tail == "bucket":
-        raise InvalidInputError(f"TopKTeacher probabilities exp(logprobs) sum to {math.exp(lse[row].item()):.6g} > 1 "
-                                f"on token {row}: with tail='bucket' they must leave a tail mass >= 0 (pass the "
-                                "teacher's log-probabilities at the distillation temperature, log_softmax(logits / T), "
-                                "or tail='renormalize')")
-    raise InvalidInputError(f"TopKTeacher.logprobs of token {row} are all -inf: with tail='renormalize' a token needs "
-                            "some teacher mass on its ids")
+        return (f"TopKTeacher probabilities exp(logprobs) sum to {math.exp(lse[row].item()):.6g} > 1 on token {row}: "
+                "with tail='bucket' they must leave a tail mass >= 0 (pass the teacher's log-probabilities at the "
+                "distillation temperature, log_softmax(logits / T), or tail='renormalize')")
+    return f"TopKTeacher.logprobs of token {row} are all -inf: with tail='renormalize' a token needs some teacher " \
+           "mass on its ids"
 
 
 def check_linear(hidden, weight, target, bias, *, autocast_dtype: torch.dtype | None,
@@ -529,8 +545,9 @@ class Facts:
     teacher_dtype: int = _shown(_show_dtype)
     teacher_k: int = _shown(lambda c: "dense logits" if c < 0 else str(c))
     teacher_tail: int = _shown(lambda c: "None" if c < 0 else _show_choice(TAIL_MODES)(c))
-    teacher_ids_checksum: object = _shown(lambda c: f"{c:#x}")
-    teacher_logprobs_checksum: object = _shown(lambda c: f"{c:#x}")
+    # (with sequence parallelism a sparse teacher's rows are each rank's own tokens', as the hidden states)
+    teacher_ids_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
+    teacher_logprobs_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
     # the lm_head matmuls' dtype (torch.autocast's inside it): it decides the plan and the kernels
     matmul_dtype: int = _shown(_show_dtype)
     # the logits' dtype as asked (None: the matmul dtype): it decides their precision and the plan's memory
