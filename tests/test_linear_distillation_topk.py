@@ -161,26 +161,53 @@ def dense_rank(rank: int, world: int, group) -> list[str]:
 
 
 def sequence_parallel_rank(rank: int, world: int, group) -> list[str]:
-    """Each rank holds its own tokens (5 and 3 of 8) and their rows of the record: the group's
-    loss, this rank's rows of the full hidden gradient."""
+    """Each rank holds its own tokens and their rows of the record -- 5 and 3 of 8, and for a few
+    cases all 8 on one rank and none on the other, with int32 ids: the group's loss, this rank's
+    rows of the full hidden gradient."""
     failures = []
-    split = [5, 3]
-    mine = slice(sum(split[:rank]), sum(split[: rank + 1]))
     combos = itertools.product(KINDS[::2], ("mean", "none"), TAILS, ((0.5, "some ignored"), (0.0, "no target")))
-    cases = [Case(kind, beta, 2.0, hard, reduction, target, chunks=(1, 3, "auto")[i % 3], seed=60 + i, tail=tail)
-             for i, ((kind, beta), reduction, tail, (hard, target)) in enumerate(combos)]
-    for case in cases:
+    cases = [(Case(kind, beta, 2.0, hard, reduction, target, chunks=(1, 3, "auto")[i % 3], seed=60 + i, tail=tail),
+              [5, 3]) for i, ((kind, beta), reduction, tail, (hard, target)) in enumerate(combos)]
+    cases += [(Case("jsd", 0.3, 2.0, 0.5, reduction, chunks=3, seed=85 + i), split)
+              for i, (reduction, split) in enumerate(itertools.product(("mean", "none"), ([8, 0], [0, 8])))]
+    for case, split in cases:
+        mine = slice(sum(split[:rank]), sum(split[: rank + 1]))
         full = Full.of(case)
         ref, g, ref_grads = reference(full, case, rows=mine)
         hs = _leaf(full.hs.reshape(-1, H_S)[mine])
         ws, bs = _leaf(shard(full.ws, world, rank, 0)), _leaf(shard(full.bs, world, rank))
         target = None if full.target is None else full.target.reshape(-1)[mine]
-        out = vparallel_ce.linear_distillation_loss(hs, ws, full.teacher(case, mine), target=target, student_bias=bs,
-                                                    group=group, sequence_parallel=True, chunks=case.chunks,
-                                                    **case.options)
+        teacher = full.teacher(case, mine)
+        if split != [5, 3]:
+            teacher = TopKTeacher(teacher.ids.to(torch.int32), teacher.logprobs, tail=teacher.tail)
+        out = vparallel_ce.linear_distillation_loss(hs, ws, teacher, target=target, student_bias=bs, group=group,
+                                                    sequence_parallel=True, chunks=case.chunks, **case.options)
         (out * g).sum().backward()
-        failures += compare(f"TP {world} rank {rank} sequence parallel {case}", out.detach(),
+        failures += compare(f"TP {world} rank {rank} sequence parallel {split} {case}", out.detach(),
                             (hs.grad, ws.grad, bs.grad), ref, ref_grads, world=world, rank=rank, rows=mine)
+    return failures
+
+
+def accumulation_rank(rank: int, world: int, group) -> list[str]:
+    """Two microbatches, each divided by the step's valid-token count (``num_valid_tokens``): their
+    summed losses and gradients are the whole batch's mean."""
+    case = Case(seed=3, tail="renormalize", k=4)
+    full = Full.of(case)
+    ref, _, (_, dw, _) = reference(full, case)
+    ws = _leaf(shard(full.ws, world, rank, 0))
+    n = int((full.target != -100).sum())
+    total = 0.0
+    for half in (slice(0, 1), slice(1, 2)):
+        record = TopKTeacher(full.ids[half], full.logprobs[half], tail=case.tail)
+        out = vparallel_ce.linear_distillation_loss(full.hs[half], ws, record, target=full.target[half],
+                                                    student_bias=shard(full.bs, world, rank), group=group,
+                                                    num_valid_tokens=n, **case.options)
+        (2.0 * out).backward()  # the reference's upstream gradient of a scalar loss
+        total = total + out.detach()
+    failures = []
+    if rel_err(total, ref) > 1e-10 or rel_err(ws.grad, shard(dw, world, rank, 0), dw) > 1e-10:
+        failures.append(f"TP {world} rank {rank} num_valid_tokens: {total} vs {ref}, weight gradient error "
+                        f"{rel_err(ws.grad, shard(dw, world, rank, 0), dw):.3g}")
     return failures
 
 
@@ -240,14 +267,15 @@ def sizes_rank(rank: int, world: int) -> list[str]:
                 if vocab == 7:
                     failures += dense_rank(rank, tp, group)
                 if tp == 2:
-                    failures += sequence_parallel_rank(rank, tp, group)
+                    failures += sequence_parallel_rank(rank, tp, group) + accumulation_rank(rank, tp, group)
             dist.barrier()
         failures += bad_input_rank(rank, world, dist.group.WORLD)
     return failures
 
 
 def test_every_kind_mode_k_option_and_chunk_count_at_tp1():
-    _assert_clean([check_case(0, 1, None, case) for case in grid(7)] + [dense_rank(0, 1, None)])
+    _assert_clean([check_case(0, 1, None, case) for case in grid(7)] + [dense_rank(0, 1, None),
+                                                                       accumulation_rank(0, 1, None)])
 
 
 def test_tp_2_3_4_uneven_and_empty_shards_sequence_parallel_and_bad_input_on_every_rank():
