@@ -2,11 +2,12 @@
 
 World 1: ``fullgraph=True`` of a function ending in each op (and the registry's modules) gives the
 eager loss and gradients, for each plan mode of the linear op (logits kept, gradients in forward,
-recomputed, vocab blocks) and the options that change the state the backward reads. The backend is
+recomputed, vocab blocks), the distillation ops with a dense or a top-k teacher, and the options
+that change the state the backward reads. The backend is
 ``aot_eager``: dynamo's fullgraph errors arise while it traces, whatever the backend, and
 ``aot_eager`` also runs what Inductor relies on -- the custom ops' fake implementations,
-AOTAutograd's functional forward/backward split -- without a C++ compiler. Bad targets still raise
-from the compiled call, with eager's message.
+AOTAutograd's functional forward/backward split -- without a C++ compiler. Bad targets and bad
+top-k records still raise from the compiled call, with eager's message.
 
 TP 2 (gloo ranks): the compiled function equals eager and emits no warning and no warning log
 record (the op runs between two graphs there).
@@ -39,6 +40,14 @@ def _inputs(seed=0):
     return logits, hidden, weight, bias, target
 
 
+# a teacher of another width (constants: the compiled functions read them as they are)
+TEACHER_HIDDEN = torch.randn(B, S, H + 3, generator=torch.Generator().manual_seed(11))
+TEACHER_WEIGHT = torch.randn(V, H + 3, generator=torch.Generator().manual_seed(12)) * 0.5
+TEACHER_LOGITS = TEACHER_HIDDEN @ TEACHER_WEIGHT.T
+TOP_LOGPROBS, TOP_IDS = torch.log_softmax(TEACHER_LOGITS, -1).topk(5, -1)
+RECORDS = {tail: v.TopKTeacher(TOP_IDS, TOP_LOGPROBS, tail=tail) for tail in ("bucket", "renormalize")}
+
+
 def _scalar(out):
     """A scalar of every output, with an upstream gradient that is not 1 per token."""
     outs = out if isinstance(out, tuple) else (out,)
@@ -69,6 +78,22 @@ CASES = {
         h, w, t, with_entropy=True, chunks=2, temperature=1.3),
     "linear_token_logprobs bf16, fp32 logits": lambda x, h, w, b, t: v.linear_token_logprobs(
         h.bfloat16(), w.bfloat16(), t, with_entropy=True, logits_dtype=torch.float32),
+    "distillation_loss": lambda x, h, w, b, t: v.distillation_loss(
+        x, TEACHER_LOGITS, t, kind="jsd", temperature=2.0, hard_weight=0.3, chunks=2),
+    "distillation_loss none, no target": lambda x, h, w, b, t: v.distillation_loss(
+        x, TEACHER_LOGITS, kind="reverse_kl", reduction="none"),
+    "distillation_loss top-k": lambda x, h, w, b, t: v.distillation_loss(x, RECORDS["bucket"], t, hard_weight=0.5),
+    "distillation_loss top-k renormalised, none": lambda x, h, w, b, t: v.distillation_loss(
+        x, RECORDS["renormalize"], t, kind="jsd", reduction="none", chunks=2),
+    "linear_distillation_loss (gradients in forward)": lambda x, h, w, b, t: v.linear_distillation_loss(
+        h, w, TEACHER_HIDDEN, TEACHER_WEIGHT, t, student_bias=b, kind="jsd", chunks=2),
+    "linear_distillation_loss none, no target, teacher bias (recomputed)": lambda x, h, w, b, t:
+        v.linear_distillation_loss(h, w, TEACHER_HIDDEN, TEACHER_WEIGHT, teacher_bias=b.detach() * 0.5,
+                                   reduction="none", temperature=1.5),
+    "linear_distillation_loss top-k": lambda x, h, w, b, t: v.linear_distillation_loss(
+        h, w, RECORDS["bucket"], target=t, student_bias=b, hard_weight=0.5, chunks=2),
+    "linear_distillation_loss top-k renormalised, none": lambda x, h, w, b, t: v.linear_distillation_loss(
+        h, w, RECORDS["renormalize"], target=t, kind="reverse_kl", reduction="none"),
     "VocabParallelCrossEntropy": lambda x, h, w, b, t: v.build_loss_fn("chunked", label_smoothing=0.1)(x, t),
     "LinearCrossEntropy": lambda x, h, w, b, t: v.build_loss_fn("fused", chunks=2)(h, w, t, b),
     "PlainCrossEntropy": lambda x, h, w, b, t: v.build_loss_fn("naive", z_loss=1e-3)(x, t),
@@ -113,7 +138,7 @@ def test_fullgraph_at_world_1_equals_eager(case):
     count_graphs, graphs = _graph_counter()
     _assert_same(_run(torch.compile(fn, fullgraph=True, backend=count_graphs), *inputs), _run(fn, *inputs))
     assert len(graphs) == 1
-    if case.startswith(("cross", "linear", "token")):  # the op is one custom op of the graph
+    if case.startswith(("cross", "linear", "token", "distillation")):  # the op is one custom op of the graph
         ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
         assert ops.count(torch.ops.vparallel_ce.forward) == 1, ops
 
@@ -144,6 +169,8 @@ def test_bad_targets_raise_from_the_compiled_call():
         "linear_cross_entropy": lambda t: v.linear_cross_entropy(hidden, weight, t),
         "token_logprobs": lambda t: v.token_logprobs(logits, t),
         "linear_token_logprobs": lambda t: v.linear_token_logprobs(hidden, weight, t, with_entropy=True),
+        "distillation_loss": lambda t: v.distillation_loss(logits, TEACHER_LOGITS, t),
+        "linear_distillation_loss top-k": lambda t: v.linear_distillation_loss(hidden, weight, RECORDS["bucket"], target=t),
     }
     for name, op in ops.items():
         torch._dynamo.reset()
@@ -239,6 +266,9 @@ def _tp_rank(rank, world):
             h[:, rows], w, target[:, rows], group=group, sequence_parallel=True, reduction="sum"),
         "token_logprobs": lambda x, h, w: v.token_logprobs(x, target, group=mesh, with_entropy=True),
         "linear_token_logprobs": lambda x, h, w: v.linear_token_logprobs(h, w, target, group=group),
+        "distillation_loss": lambda x, h, w: v.distillation_loss(x, x.detach().flip(0), target, group=group, kind="jsd"),
+        "linear_distillation_loss top-k": lambda x, h, w: v.linear_distillation_loss(
+            h, w, RECORDS["bucket"], target=target, group=group, chunks=2),
         "VocabParallelCrossEntropy": lambda x, h, w: v.build_loss_fn("chunked", group=group)(x, target),
         "PlainCrossEntropy": lambda x, h, w: v.build_loss_fn("naive", group=group)(x, target),
     }
@@ -268,12 +298,42 @@ def test_tp2_compiled_equals_eager_without_warnings():
         assert caught == [] and records == [], (caught, records)
 
 
-def test_distillation_runs_eagerly_inside_a_compiled_function():
-    s, t = torch.randn(6, 11), torch.randn(6, 11)
-    target = torch.tensor([1, -100, 3, 4, 10, 0])
+def test_a_bad_top_k_record_raises_from_the_compiled_call():
+    logits, hidden, weight, _, target = _inputs()
+    record = RECORDS["bucket"]
+    ids = record.ids.clone()
+    ids[1, 2, 0] = V  # out of range, on a token that counts
+    ops = {
+        "distillation_loss": lambda i: v.distillation_loss(logits, v.TopKTeacher(i, record.logprobs), target),
+        "linear_distillation_loss": lambda i: v.linear_distillation_loss(
+            hidden, weight, v.TopKTeacher(i, record.logprobs), target=target),
+    }
+    for name, op in ops.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(op, fullgraph=True, backend=BACKEND)
+        compiled(record.ids)
+        with pytest.raises(v.InvalidInputError) as eager:
+            op(ids)
+        with pytest.raises(v.InvalidInputError) as got:
+            compiled(ids)
+        assert str(got.value) == str(eager.value) and f"outside [0, {V})" in str(got.value), name
 
-    def fn(s, t):
-        return v.distillation_loss(torch.tanh(s), t, target, kind="jsd", hard_weight=0.3, reduction="none")
 
+def test_a_compiled_distillation_gives_the_teacher_no_gradient():
+    """A teacher whose tensors require a gradient (a model not under no_grad) still gets none, as
+    in eager; an unknown tail mode raises eager's error from the compiled function."""
+    _, hidden, weight, _, target = _inputs()
+    th, tw = TEACHER_HIDDEN.clone().requires_grad_(), TEACHER_WEIGHT.clone().requires_grad_()
+    record = RECORDS["bucket"]
+    lp = record.logprobs.clone().requires_grad_()
     torch._dynamo.reset()
-    _assert_same(_run(torch.compile(fn, backend=BACKEND), s, t), _run(fn, s, t))
+    dense = torch.compile(lambda h: v.linear_distillation_loss(h, weight, th, tw, target), fullgraph=True,
+                          backend=BACKEND)
+    sparse = torch.compile(lambda h: v.distillation_loss(h @ weight.T, v.TopKTeacher(record.ids, lp), target),
+                           fullgraph=True, backend=BACKEND)
+    for fn in (dense, sparse):
+        fn(hidden.clone().requires_grad_()).backward()
+    assert th.grad is None and tw.grad is None and lp.grad is None
+    with pytest.raises(ValueError, match="TopKTeacher.tail must be one of"):
+        torch.compile(lambda h: v.distillation_loss(h, v.TopKTeacher(record.ids, lp, tail="drop"), target),
+                      backend=BACKEND)(hidden @ weight.T)

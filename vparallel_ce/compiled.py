@@ -10,6 +10,13 @@ autograd formula (``torch.library.register_autograd``) is ``vparallel_ce::backwa
 Function's ``backward``. So ``fullgraph=True`` holds at world 1 and the compiled op computes what
 the eager one does, on any backend (``eager``, ``aot_eager``, ``inductor``).
 
+The custom ops take the public op's tensors as a list (the tensors present, and a list of which
+slots are: autograd does not follow a list input that holds None), so one pair of custom ops serves
+every public op, whatever its inputs: the cross-entropy's logits and target, the linear ops'
+hidden, weight, target and bias, and the distillation ops' teacher tensors besides (a constant of
+the call, detached before it enters: :mod:`vparallel_ce.teacher`). Each op registers its
+:data:`Start`, which runs its front door and gives its Function's arguments.
+
 Both ops are functional, as AOTAutograd requires. What a Function's forward leaves its backward
 (``ctx`` attributes: statistics per chunk, kept logits, gradients made in forward, the
 :class:`~vparallel_ce.call.Call`) leaves the forward op as extra tensor outputs -- every tensor of
@@ -53,7 +60,7 @@ from .options import OPTION_NAMES, Options
 from .policy import ChunkPolicy
 from .validate import DeferredTargetCheck, check_call_options
 
-__all__ = ["apply", "register", "KEPT_READ_ONLY"]
+__all__ = ["apply", "register", "front_door", "Start", "KEPT_READ_ONLY"]
 
 #: True while a compiled op's backward runs: its kept logits are outputs of the forward op, which
 #: the graph may read again (a second backward with ``retain_graph``), so the gradient pass writes
@@ -61,34 +68,50 @@ __all__ = ["apply", "register", "KEPT_READ_ONLY"]
 KEPT_READ_ONLY = contextvars.ContextVar("vparallel_ce_kept_logits_read_only", default=False)
 
 
+#: ``start(tensors, *, op, group, options) -> (args, shape)``: the op's front door on its tensor
+#: inputs, giving the autograd Function's arguments (the :class:`~vparallel_ce.call.Call` among
+#: them) and the shape of its per-token outputs
+Start = Callable[..., tuple[tuple, torch.Size]]
+
+
 @dataclass(frozen=True)
 class _Op:
     function: type  # the autograd Function
-    front: Callable  # vparallel_ce.call.logits_call or linear_call
-    args: Callable  # the Function's tensor arguments from the front door's inputs
-    grad_of: tuple  # per Function tensor argument: the position of the op input it is, or None
-    required: int  # the leading op inputs that must be tensors
-    arity: int  # the op inputs the front door takes (2: logits, target; 4: hidden, weight, target, bias)
+    start: Start
+    grad_of: tuple  # per Function argument: the position of the op input it is, or None
     target: int  # the position of the target among the op inputs
+    optional: frozenset  # the positions of the op inputs that may be None
     outputs: int  # the Function's outputs
 
 
 _OPS: dict[str, _Op] = {}
 
 
-def register(name: str, function: type, front: Callable, args: Callable, *, grad_of: tuple, required: int,
-             arity: int, target: int, outputs: int) -> None:
-    """Make the op ``name`` (one of :data:`vparallel_ce.validate.OPS`) compilable: ``function`` is
-    its autograd Function, ``front`` its front door, ``args(inputs)`` the Function's tensor
-    arguments. Called by each op's module when it is imported."""
-    _OPS[name] = _Op(function, front, args, grad_of, required, arity, target, outputs)
+def register(name: str, function: type, start: Start, *, grad_of: tuple, target: int,
+             optional: frozenset = frozenset(), outputs: int = 1) -> None:
+    """Make the op ``name`` compilable: ``function`` is its autograd Function, ``start`` its front
+    door (:data:`Start`; :func:`front_door` makes one of ``logits_call`` or ``linear_call``).
+    Called by each op's module when it is imported."""
+    _OPS[name] = _Op(function, start, grad_of, target, frozenset(optional), outputs)
+
+
+def front_door(front: Callable, args: Callable) -> Start:
+    """The :data:`Start` of an op whose front door is ``front(*tensors, op=, group=, options=)``
+    (:func:`~vparallel_ce.call.logits_call`, :func:`~vparallel_ce.call.linear_call`) and whose
+    Function takes ``args(inputs)`` then the ``Call``."""
+
+    def start(tensors, *, op: str, group, options: Options):
+        call, inp = front(*tensors, op=op, group=group, options=options)
+        return (*args(inp), call), inp.shape
+
+    return start
 
 
 def apply(name: str, tensors: tuple, group, options: Options):
-    """What a public op runs while dynamo traces it. ``tensors``: the op's tensor arguments in the
-    custom ops' order (logits ops ``(logits, target, None, None)``, linear ops ``(hidden, weight,
-    target, bias)``). Returns the Function's outputs (one tensor or a tuple) and the target's shape,
-    as the eager path has them."""
+    """What a public op runs while dynamo traces it. ``tensors``: the op's tensor inputs in the
+    order its :data:`Start` takes them (``(logits, target)``, ``(hidden, weight, target, bias)``,
+    ...); constants -- a teacher's tensors -- come detached. Returns the Function's outputs (one
+    tensor or a tuple) and the shape of its per-token outputs, as the eager path has them."""
     op = _OPS[name]
     if not _one_rank(op, tensors, group):
         return _eager(name, tensors, group, options)
@@ -103,15 +126,21 @@ def apply(name: str, tensors: tuple, group, options: Options):
     key = _key(options, autocast_dtype(tensors[0].device))
     grad = torch.is_grad_enabled()
     need = [grad and t is not None and t.requires_grad for t in tensors]
-    outs = torch.ops.vparallel_ce.forward(name, key, need, *tensors, count)
-    return (outs[0] if op.outputs == 1 else tuple(outs[:op.outputs])), tensors[op.target].shape
+    # the op inputs go in as the tensors present and where they are (autograd does not follow a
+    # list input that holds None)
+    present = [t is not None for t in tensors]
+    outs = torch.ops.vparallel_ce.forward(name, key, need, present, [t for t in tensors if t is not None], count)
+    # the per-token shape: the target's, or without one (a distillation) the input's token dims
+    target = tensors[op.target]
+    shape = target.shape if target is not None else tensors[0].shape[:-1]
+    return (outs[0] if op.outputs == 1 else tuple(outs[:op.outputs])), shape
 
 
 def _one_rank(op: _Op, tensors: tuple, group) -> bool:
     """Whether the call goes into the graph: plain tensors (no DTensor) on one rank. Anything else,
     bad arguments included, runs eagerly (which raises what eager raises)."""
     for i, t in enumerate(tensors):
-        if not (isinstance(t, torch.Tensor) or (t is None and i >= op.required)) or is_dtensor(t):
+        if not (isinstance(t, torch.Tensor) or (t is None and i in op.optional)) or is_dtensor(t):
             return False
     return group is None or comm.world_size(comm.resolve_group(group)) == 1
 
@@ -120,8 +149,8 @@ def _one_rank(op: _Op, tensors: tuple, group) -> bool:
 def _eager(name: str, tensors: tuple, group, options: Options):
     """The eager op, between two graphs."""
     op = _OPS[name]
-    call, inp = op.front(*tensors[: op.arity], op=name, group=group, options=options)
-    return op.function.apply(*op.args(inp), call), inp.shape
+    args, shape = op.start(list(tensors), op=name, group=group, options=options)
+    return op.function.apply(*args), shape
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,18 +382,23 @@ def _static(t):
                                device=t.device)
 
 
-def _forward(name: str, key: str, need: list, a, b, c, d, count, *, fake: bool) -> list:
+def _placed(present: list, given) -> list:
+    """The op inputs from the tensors ``given`` and whether each was (None where not)."""
+    it = iter(given)
+    return [next(it) if p else None for p in present]
+
+
+def _forward(name: str, key: str, need: list, inputs: list, count, *, fake: bool) -> list:
     op = _OPS[name]
     if fake:
-        a, b, c, d, count = (_static(t) for t in (a, b, c, d, count))
+        inputs, count = [_static(t) for t in inputs], _static(count)
     options = _decode(key)[0]
     if count is not None:
         options = replace(options, num_valid_tokens=count)
-    inputs = [a, b, c, d]
-    with torch.no_grad(), _as_traced(key, a.device):
-        call, inp = op.front(*inputs[: op.arity], op=name, group=None, options=options)
-        ctx = _Ctx(tuple(j is not None and need[j] for j in op.grad_of) + (False,))
-        out = op.function.forward(ctx, *op.args(inp), call)
+    with torch.no_grad(), _as_traced(key, inputs[0].device):
+        args, _ = op.start(list(inputs), op=name, group=None, options=options)
+        ctx = _Ctx(tuple(j is not None and need[j] for j in op.grad_of))
+        out = op.function.forward(ctx, *args)
     out = list(out) if isinstance(out, tuple) else [out]
     tensors = _Tensors(inputs + [count], out)
     if not any(need):  # no backward: the outputs alone
@@ -376,24 +410,24 @@ def _forward(name: str, key: str, need: list, a, b, c, d, count, *, fake: bool) 
 
 
 @torch.library.custom_op("vparallel_ce::forward", mutates_args=())
-def _forward_op(name: str, key: str, need: list[bool], a: Tensor, b: Tensor, c: Optional[Tensor],
-                d: Optional[Tensor], count: Optional[Tensor]) -> list[Tensor]:
-    """The op ``name`` with options ``key``: its outputs, then the state its backward needs."""
-    return _forward(name, key, need, a, b, c, d, count, fake=False)
+def _forward_op(name: str, key: str, need: list[bool], present: list[bool], given: list[Tensor],
+                count: Optional[Tensor]) -> list[Tensor]:
+    """The op ``name`` with options ``key`` on its inputs (:func:`_placed`): its outputs, then the
+    state its backward needs."""
+    return _forward(name, key, need, _placed(present, given), count, fake=False)
 
 
 @_forward_op.register_fake
-def _forward_fake(name, key, need, a, b, c, d, count):
-    return _forward(name, key, need, a, b, c, d, count, fake=True)
+def _forward_fake(name, key, need, present, given, count):
+    return _forward(name, key, need, _placed(present, given), count, fake=True)
 
 
 @torch.library.custom_op("vparallel_ce::backward", mutates_args=())
-def _backward_op(name: str, key: str, need: list[bool], a: Tensor, b: Tensor, c: Optional[Tensor],
-                 d: Optional[Tensor], count: Optional[Tensor], saved: list[Tensor],
-                 grads: list[Optional[Tensor]]) -> list[Tensor]:
+def _backward_op(name: str, key: str, need: list[bool], present: list[bool], given: list[Tensor],
+                 count: Optional[Tensor], saved: list[Tensor], grads: list[Optional[Tensor]]) -> list[Tensor]:
     """The gradients of the inputs that ``need`` them, from the forward op's outputs ``saved``."""
     op = _OPS[name]
-    inputs = [a, b, c, d]
+    inputs = _placed(present, given)
     template = _TEMPLATES[_template_key(name, key, need, inputs + [count])]
     ctx = _fill(template, inputs + [count] + list(saved), {})
     if ctx.materialize:
@@ -419,23 +453,27 @@ def _backward_op(name: str, key: str, need: list[bool], a: Tensor, b: Tensor, c:
 
 
 @_backward_op.register_fake
-def _backward_fake(name, key, need, a, b, c, d, count, saved, grads):
-    return [torch.empty(x.shape, dtype=x.dtype, device=x.device) for j, x in enumerate((a, b, c, d)) if need[j]]
+def _backward_fake(name, key, need, present, given, count, saved, grads):
+    return [torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            for j, x in enumerate(_placed(present, given)) if need[j]]
 
 
 def _setup_context(ctx, inputs, output):
-    name, key, need, a, b, c, d, count = inputs
-    ctx.name, ctx.key, ctx.need = name, key, need
-    ctx.save_for_backward(a, b, c, d, count, *output)
+    name, key, need, present, given, count = inputs
+    ctx.name, ctx.key, ctx.need, ctx.present = name, key, need, present
+    ctx.save_for_backward(*given, count, *output)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grads):
-    a, b, c, d, count, *saved = ctx.saved_tensors
+    k = sum(ctx.present)
+    given, count, saved = list(ctx.saved_tensors[:k]), ctx.saved_tensors[k], list(ctx.saved_tensors[k + 1:])
     n = _OPS[ctx.name].outputs
-    got = iter(torch.ops.vparallel_ce.backward(ctx.name, ctx.key, ctx.need, a, b, c, d, count, saved,
+    got = iter(torch.ops.vparallel_ce.backward(ctx.name, ctx.key, ctx.need, ctx.present, given, count, saved,
                                                list(grads[:n])))
-    return (None, None, None, *(next(got) if needed else None for needed in ctx.need), None)
+    # a gradient per given tensor, in order (None where not needed)
+    per_input = [next(got) if needed else None for needed in ctx.need]
+    return None, None, None, None, [g for g, p in zip(per_input, ctx.present) if p], None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)

@@ -83,7 +83,7 @@ def cross_entropy(
                       num_valid_tokens=num_valid_tokens, z_loss=z_loss, softcap=softcap, chunks=chunks, policy=policy,
                       vocab_size=vocab_size, check=check, batch_invariant=batch_invariant)
     if torch.compiler.is_compiling():  # one custom op in the graph (vparallel_ce.compiled)
-        out, shape = compiled.apply("cross_entropy", (logits, target, None, None), group, options)
+        out, shape = compiled.apply("cross_entropy", (logits, target), group, options)
     else:
         call, inp = logits_call(logits, target, op="cross_entropy", group=group, options=options)
         out, shape = _CrossEntropy.apply(inp.x, inp.target, call), inp.shape
@@ -145,5 +145,5 @@ class _CrossEntropy(torch.autograd.Function):
         return dx, None, None
 
 
-compiled.register("cross_entropy", _CrossEntropy, logits_call, lambda inp: (inp.x, inp.target), grad_of=(0, None),
-                  required=2, arity=2, target=1, outputs=1)
+compiled.register("cross_entropy", _CrossEntropy, compiled.front_door(logits_call, lambda inp: (inp.x, inp.target)),
+                  grad_of=(0, None, None), target=1)

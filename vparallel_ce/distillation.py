@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import torch
 
+from . import compiled
 from .call import Call, TopKRows, autocast_off, distillation_call, settles_check
 from .divergence import Divergence, DistillSpec, token_loss
 from .options import Options
 from .policy import ChunkPolicy
 from .second_order import first_order_only
 from .stats import local_targets, reduce, token_slices, token_weights
-from .teacher import DENSE, TopKMath
+from .teacher import DENSE, TopKMath, graph_inputs, in_graph, teacher_of
+from .topk import TAIL_MODES
 
 __all__ = ["distillation_loss"]
 
@@ -90,22 +92,30 @@ def distillation_loss(
     options = Options(reduction=reduction, ignore_index=ignore_index, num_valid_tokens=num_valid_tokens,
                       temperature=temperature, divergence=kind, beta=beta, hard_weight=hard_weight, chunks=chunks,
                       policy=policy, vocab_size=vocab_size, check=check)
-    return _distillation(student_logits, teacher_logits, target, group, options)
+    if torch.compiler.is_compiling() and in_graph(teacher_logits):  # one custom op in the graph
+        out, shape = compiled.apply(*graph_inputs("distillation_loss", (student_logits, target), teacher_logits),
+                                    group, options)
+    else:
+        out, shape = _eager(student_logits, teacher_logits, target, group, options)
+    return out.reshape(shape) if reduction == "none" else out
 
 
-# not (yet) a custom op of vparallel_ce.compiled: under torch.compile the op is a graph break, and
-# dynamo does not trace its front door and chunk loop
-@torch.compiler.disable
-def _distillation(student_logits, teacher_logits, target, group, options: Options) -> torch.Tensor:
-    call, inp, teacher = distillation_call(student_logits, teacher_logits, target, group=group, options=options)
+@torch.compiler.disable  # an input the graph does not take (an unknown tail mode): eager, between graphs
+def _eager(student_logits, teacher_logits, target, group, options: Options):
+    args, shape = _start(student_logits, teacher_logits, target, group=group, options=options)
+    return _Distillation.apply(*args), shape
+
+
+def _start(student, teacher, target, *, group, options: Options) -> tuple[tuple, torch.Size]:
+    """The front door, then :class:`_Distillation`'s arguments and the per-token shape."""
+    call, inp, rows = distillation_call(student, teacher, target, group=group, options=options)
     o = options
     spec = DistillSpec(Divergence(o.divergence), float(o.beta), float(o.temperature), float(o.hard_weight))
-    if isinstance(teacher, TopKRows):
-        math, tensors = TopKMath(teacher.tail), (teacher.ids, teacher.logprobs.detach())
+    if isinstance(rows, TopKRows):
+        math, tensors = TopKMath(rows.tail), (rows.ids, rows.logprobs.detach())
     else:
-        math, tensors = DENSE, (teacher.detach(),)
-    out = _Distillation.apply(inp.x, inp.target, target is not None, spec, call, math, *tensors)
-    return out.reshape(inp.shape) if o.reduction == "none" else out
+        math, tensors = DENSE, (rows.detach(),)
+    return (inp.x, inp.target, target is not None, spec, call, math, *tensors), inp.shape
 
 
 def _stats_per_chunk(s, teacher, local_t, owned, spec: DistillSpec, call: Call, math):
@@ -155,3 +165,10 @@ class _Distillation(torch.autograd.Function):
                 ds[sl] = ctx.math.grad(s[sl], [t[sl] for t in teacher], local_t[sl], owned[sl],
                                        _rows_of(ctx.stats, sl), w[sl], ctx.spec, ctx.call.layout)
         return (ds, None, None, None, None, None) + (None,) * len(teacher)
+
+
+for _name, _teacher in (("distillation_loss", (2,)), *((f"distillation_loss:{t}", (2, 3)) for t in TAIL_MODES)):
+    compiled.register(_name, _Distillation,
+                      lambda ts, *, op, group, options: _start(ts[0], teacher_of(op, ts[2:]), ts[1], group=group,
+                                                               options=options),
+                      grad_of=(0,) + (None,) * (5 + len(_teacher)), target=1, optional={1})

@@ -692,6 +692,6 @@ def _valid_count(t: torch.Tensor, call: Call, valid: torch.Tensor | None = None)
     return n
 
 
-compiled.register("linear_cross_entropy", _LinearCrossEntropy, linear_call,
-                  lambda inp: (inp.h, inp.w, inp.b, inp.target), grad_of=(0, 1, 3, None), required=3, arity=4, target=2,
-                  outputs=1)
+compiled.register("linear_cross_entropy", _LinearCrossEntropy,
+                  compiled.front_door(linear_call, lambda inp: (inp.h, inp.w, inp.b, inp.target)),
+                  grad_of=(0, 1, 3, None, None), target=2, optional={3})

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import compiled
 from .call import Call, TopKRows, autocast_off, linear_distillation_call, settles_check
 from .divergence import Divergence, DistillSpec, token_loss
 from .linear import Grads, Rows, Schedule, logits, matmul_inputs, scale_unit_grads
@@ -45,8 +46,8 @@ from .options import Options
 from .policy import ChunkPolicy, GradMode
 from .second_order import first_order_only
 from .stats import compute_dtype, local_targets, reduce, token_weights
-from .teacher import DENSE, TopKMath
-from .topk import TopKTeacher
+from .teacher import DENSE, TopKMath, graph_inputs, in_graph, teacher_of
+from .topk import TAIL_MODES, TopKTeacher
 
 __all__ = ["linear_distillation_loss"]
 
@@ -118,25 +119,34 @@ def linear_distillation_loss(
     options = Options(reduction=reduction, ignore_index=ignore_index, num_valid_tokens=num_valid_tokens,
                       temperature=temperature, divergence=kind, beta=beta, hard_weight=hard_weight, chunks=chunks,
                       policy=policy, vocab_size=vocab_size, sequence_parallel=sequence_parallel, check=check)
-    return _linear_distillation(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
-                                teacher_bias, group, options)
+    student = (student_hidden, student_weight, target, student_bias)
+    if torch.compiler.is_compiling() and in_graph(teacher_hidden):  # one custom op in the graph
+        name, tensors = graph_inputs("linear_distillation_loss", student, teacher_hidden, (teacher_weight, teacher_bias))
+        out, shape = compiled.apply(name, tensors, group, options)
+    else:
+        out, shape = _eager(student, (teacher_hidden, teacher_weight, teacher_bias), group, options)
+    return out.reshape(shape) if reduction == "none" else out
 
 
-# as distillation_loss: a graph break under torch.compile (dynamo does not trace its front door
-# and chunk loop)
-@torch.compiler.disable
-def _linear_distillation(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
-                         teacher_bias, group, options: Options) -> torch.Tensor:
-    call, inp, teacher = linear_distillation_call(student_hidden, student_weight, teacher_hidden, teacher_weight,
-                                                  target, student_bias, teacher_bias, group=group, options=options)
+@torch.compiler.disable  # an input the graph does not take (an unknown tail mode): eager, between graphs
+def _eager(student: tuple, teacher: tuple, group, options: Options):
+    args, shape = _start(student, teacher, group=group, options=options)
+    return _LinearDistillation.apply(*args), shape
+
+
+def _start(student: tuple, teacher: tuple, *, group, options: Options) -> tuple[tuple, torch.Size]:
+    """The front door on ``(hidden, weight, target, bias)`` of the student and ``(hidden, weight,
+    bias)`` of the teacher (a top-k record in place of its hidden states), then
+    :class:`_LinearDistillation`'s arguments and the per-token shape."""
+    (h, w, target, b), (th, tw, tb) = student, teacher
+    call, inp, rows = linear_distillation_call(h, w, th, tw, target, b, tb, group=group, options=options)
     o = options
     spec = DistillSpec(Divergence(o.divergence), float(o.beta), float(o.temperature), float(o.hard_weight))
-    if isinstance(teacher, TopKRows):
-        source = _TopKSource(teacher.ids, teacher.logprobs.detach(), TopKMath(teacher.tail))
+    if isinstance(rows, TopKRows):
+        source = _TopKSource(rows.ids, rows.logprobs.detach(), TopKMath(rows.tail))
     else:
-        source = _LogitsSource(*(None if x is None else x.detach() for x in (teacher.h, teacher.w, teacher.b)))
-    out = _LinearDistillation.apply(inp.h, inp.w, inp.b, inp.target, source, target is not None, spec, call)
-    return out.reshape(inp.shape) if o.reduction == "none" else out
+        source = _LogitsSource(*(None if x is None else x.detach() for x in (rows.h, rows.w, rows.b)))
+    return (inp.h, inp.w, inp.b, inp.target, source, target is not None, spec, call), inp.shape
 
 
 @dataclass(frozen=True)
@@ -308,3 +318,16 @@ def _add_grads(grads: Grads, rows: Rows, c: int, ch: _Chunk, s, teacher: tuple, 
                        out_dtype=compute_dtype(s.dtype))
         grads.add_block(slice(0, s.shape[-1]), ds, ch.h, wm, dh_rows)
     grads.end_chunk(rows, c, dh_rows)
+
+
+def _compiled_start(tensors, *, op: str, group, options: Options):
+    """:func:`_start` on the compiled op's inputs (:func:`vparallel_ce.teacher.graph_inputs`)."""
+    teacher = teacher_of(op, tensors[4:])
+    rest = (teacher, None, None) if isinstance(teacher, TopKTeacher) else (teacher, *tensors[5:])
+    return _start(tuple(tensors[:4]), rest, group=group, options=options)
+
+
+for _name, _optional in (("linear_distillation_loss", {2, 3, 6}),
+                         *((f"linear_distillation_loss:{t}", {2, 3}) for t in TAIL_MODES)):
+    compiled.register(_name, _LinearDistillation, _compiled_start, grad_of=(0, 1, 3) + (None,) * 5, target=2,
+                      optional=_optional)

@@ -67,7 +67,7 @@ def token_logprobs(
     options = Options(reduction="none", ignore_index=ignore_index, temperature=temperature, with_entropy=with_entropy,
                       chunks=chunks, policy=policy, vocab_size=vocab_size, check=check, batch_invariant=batch_invariant)
     if torch.compiler.is_compiling():  # one custom op in the graph (vparallel_ce.compiled)
-        (logp, entropy), shape = compiled.apply("token_logprobs", (logits, target, None, None), group, options)
+        (logp, entropy), shape = compiled.apply("token_logprobs", (logits, target), group, options)
     else:
         call, inp = logits_call(logits, target, op="token_logprobs", group=group, options=options)
         (logp, entropy), shape = _TokenLogprobs.apply(inp.x, inp.target, call), inp.shape
@@ -240,8 +240,8 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             return grads.finish(rows) + (None, None)
 
 
-compiled.register("token_logprobs", _TokenLogprobs, logits_call, lambda inp: (inp.x, inp.target), grad_of=(0, None),
-                  required=2, arity=2, target=1, outputs=2)
-compiled.register("linear_token_logprobs", _LinearTokenLogprobs, linear_call,
-                  lambda inp: (inp.h, inp.w, inp.b, inp.target), grad_of=(0, 1, 3, None), required=3, arity=4, target=2,
-                  outputs=2)
+compiled.register("token_logprobs", _TokenLogprobs, compiled.front_door(logits_call, lambda inp: (inp.x, inp.target)),
+                  grad_of=(0, None, None), target=1, outputs=2)
+compiled.register("linear_token_logprobs", _LinearTokenLogprobs,
+                  compiled.front_door(linear_call, lambda inp: (inp.h, inp.w, inp.b, inp.target)),
+                  grad_of=(0, 1, 3, None, None), target=2, optional={3}, outputs=2)

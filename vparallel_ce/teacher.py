@@ -9,6 +9,10 @@ at a time: which per-chunk math its kind takes, over the chunk's teacher tensors
 ``distillation_loss`` slices its teacher tensors per chunk; ``linear_distillation_loss`` makes a
 dense teacher's logits chunk by chunk from its hidden rows and lm_head, or takes a top-k record's
 rows. Both then call the same two methods, so the ops hold no per-kind branches.
+
+Under ``torch.compile`` (:mod:`vparallel_ce.compiled`) a teacher enters the graph as tensors: a
+top-k record as its ids and log-probs, its tail mode in the op's name (:func:`graph_inputs`,
+:func:`teacher_of`).
 """
 
 from __future__ import annotations
@@ -18,9 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from .divergence import DistillSpec, grad_student, statistics
-from .topk import TailMode, topk_grad_student, topk_statistics
+from .topk import TAIL_MODES, TailMode, TopKTeacher, topk_grad_student, topk_statistics
 
-__all__ = ["DenseMath", "DENSE", "TopKMath"]
+__all__ = ["DenseMath", "DENSE", "TopKMath", "in_graph", "graph_inputs", "teacher_of"]
 
 
 class DenseMath:
@@ -53,3 +57,30 @@ class TopKMath:
     def grad(self, s: torch.Tensor, teacher, local_t, owned, st, weight, spec: DistillSpec, layout,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return topk_grad_student(s, teacher[0], local_t, owned, st, weight, spec, layout, self.tail, out_dtype)
+
+
+def in_graph(teacher) -> bool:
+    """Whether a compiled op can take ``teacher`` as graph inputs: a tensor (logits or hidden
+    states), or a top-k record of tensors with a known tail mode. Anything else runs the op eagerly,
+    which raises what eager raises."""
+    if isinstance(teacher, TopKTeacher):
+        return (isinstance(teacher.ids, torch.Tensor) and isinstance(teacher.logprobs, torch.Tensor)
+                and teacher.tail in TAIL_MODES)
+    return isinstance(teacher, torch.Tensor)
+
+
+def graph_inputs(op: str, leading: tuple, teacher, dense: tuple = ()) -> tuple[str, tuple]:
+    """``(name, tensors)`` of a compiled distillation op: the student's ``leading`` inputs, then
+    the teacher's tensors, detached (a constant gets no gradient): a record's ids and log-probs
+    (the op ``"<op>:<tail>"``), or ``teacher`` and ``dense``, the rest of a dense teacher."""
+    if isinstance(teacher, TopKTeacher):
+        tail = teacher.tail.value if isinstance(teacher.tail, TailMode) else teacher.tail
+        return f"{op}:{tail}", (*leading, teacher.ids, teacher.logprobs.detach())
+    return op, (*leading, *(None if t is None else t.detach() for t in (teacher, *dense)))
+
+
+def teacher_of(op: str, tensors) -> torch.Tensor | TopKTeacher:
+    """The inverse of :func:`graph_inputs` for the teacher: its first tensor, or the record."""
+    if ":" in op:
+        return TopKTeacher(tensors[0], tensors[1], tail=op.rsplit(":", 1)[1])
+    return tensors[0]
