@@ -155,6 +155,22 @@ def all_gather_last_dim(x: torch.Tensor, group, sizes: list[int]) -> torch.Tenso
     return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
 
+def reduce_scatter_rows_rank_ordered(x: torch.Tensor, group) -> torch.Tensor:
+    """:func:`reduce_scatter_rows` with every row added in rank order, ``((x_0 + x_1) + x_2) +
+    ...``, whatever the message size (:func:`all_reduce_sum_rank_ordered`'s reason): an all-gather
+    of ``x`` (``world`` times the bytes), then this rank's rows summed locally."""
+    if not is_sharded(group):
+        return x
+    world, me = world_size(group), rank(group)
+    m = x.shape[0] // world
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    total = parts[0][me * m : (me + 1) * m].clone()
+    for p in parts[1:]:
+        total += p[me * m : (me + 1) * m]
+    return total
+
+
 def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
     """Sum ``x`` (``[world * m, ...]``) over the group and return this rank's ``m`` rows. Uses
     reduce_scatter where the backend has it (NCCL), else all-reduce + slice (gloo has none)."""

@@ -178,8 +178,10 @@ class Rows:
         return rows[start : start + self.local[c].stop - self.local[c].start]
 
     def scatter_grad(self, c: int, dh: torch.Tensor) -> torch.Tensor:
-        """Chunk ``c``'s gathered partial hidden gradient -> this rank's rows, summed over the group."""
-        return comm.reduce_scatter_rows(dh, self.call.layout.group)[: self.local[c].stop - self.local[c].start]
+        """Chunk ``c``'s gathered partial hidden gradient -> this rank's rows, summed over the group
+        (in rank order in batch-invariant mode)."""
+        scatter = comm.reduce_scatter_rows_rank_ordered if self.call.batch_invariant else comm.reduce_scatter_rows
+        return scatter(dh, self.call.layout.group)[: self.local[c].stop - self.local[c].start]
 
 
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool) -> None:
@@ -294,10 +296,12 @@ class Grads:
 
     def finish(self, rows: Rows) -> tuple:
         """Sum the replicated hidden's partial ``dh`` over the group; the gradients in the inputs' dtypes."""
-        if self.dh is not None and self.invariant and rows.call.layout.sharded:  # world x one chunk's rows at a time
+        sp = rows.call.sequence_parallel  # then dh is this rank's rows, summed by end_chunk
+        if self.dh is not None and self.invariant and rows.call.layout.sharded and not sp:
+            # world x one chunk's rows at a time
             for sl in rows.local:
                 self.dh[sl] = comm.all_reduce_sum_rank_ordered(self.dh[sl], rows.call.layout.group)
-        elif self.dh is not None and not rows.call.sequence_parallel and not self.invariant:
+        elif self.dh is not None and not sp and not self.invariant:
             comm.all_reduce_sum_(self.dh, rows.call.layout.group)
         return tuple(g if g is None or g.dtype == dt else g.to(dt)
                      for g, dt in zip((self.dh, self.dw, self.db), self.dtypes))

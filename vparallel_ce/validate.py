@@ -202,9 +202,6 @@ def check_options(**options) -> Problem | None:
     if options.get("num_valid_tokens") is not None and options.get("reduction", "mean") != "mean":
         return Problem(ValueError, "num_valid_tokens is the divisor of reduction='mean', got reduction="
                                    f"{options.get('reduction')!r}")
-    if options.get("batch_invariant") and options.get("sequence_parallel"):
-        return Problem(ValueError, "batch_invariant=True does not support sequence_parallel=True: the hidden "
-                                   "gradient's reduce-scatter over the group has no rank-ordered form here")
     if options.get("recompute") is False and options.get("reduction") == "none":
         return Problem(ValueError, "recompute=False (gradients made in forward) needs reduction 'mean' or 'sum': "
                                    "with reduction='none' the upstream gradient is only known in backward")
