@@ -100,7 +100,9 @@ def distillation_loss(
     return out.reshape(shape) if reduction == "none" else out
 
 
-@torch.compiler.disable  # an input the graph does not take (an unknown tail mode): eager, between graphs
+# under torch.compile reached only for an input the graph does not take (an unknown tail mode):
+# then eager, between two graphs
+@torch.compiler.disable
 def _eager(student_logits, teacher_logits, target, group, options: Options):
     args, shape = _start(student_logits, teacher_logits, target, group=group, options=options)
     return _Distillation.apply(*args), shape

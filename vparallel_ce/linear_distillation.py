@@ -128,7 +128,9 @@ def linear_distillation_loss(
     return out.reshape(shape) if reduction == "none" else out
 
 
-@torch.compiler.disable  # an input the graph does not take (an unknown tail mode): eager, between graphs
+# under torch.compile reached only for an input the graph does not take (an unknown tail mode):
+# then eager, between two graphs
+@torch.compiler.disable
 def _eager(student: tuple, teacher: tuple, group, options: Options):
     args, shape = _start(student, teacher, group=group, options=options)
     return _LinearDistillation.apply(*args), shape
