@@ -16,7 +16,6 @@ all-reduce per chunk, the SUM carrying the student's logits at the ``k`` ids.
 
 from __future__ import annotations
 
-
 import torch
 
 from . import compiled
@@ -169,8 +168,10 @@ class _Distillation(torch.autograd.Function):
         return (ds, None, None, None, None, None) + (None,) * len(teacher)
 
 
-for _name, _teacher in (("distillation_loss", (2,)), *((f"distillation_loss:{t}", (2, 3)) for t in TAIL_MODES)):
+# the compiled op's inputs: (student, target, teacher logits) or (student, target, ids, logprobs);
+# the Function's arguments: (s, target, target_given, spec, call, math, *teacher tensors)
+for _name, _tensors in (("distillation_loss", 1), *((f"distillation_loss:{t}", 2) for t in TAIL_MODES)):
     compiled.register(_name, _Distillation,
                       lambda ts, *, op, group, options: _start(ts[0], teacher_of(op, ts[2:]), ts[1], group=group,
                                                                options=options),
-                      grad_of=(0,) + (None,) * (5 + len(_teacher)), target=1, optional={1})
+                      grad_of=(0,) + (None,) * (5 + _tensors), target=1, optional={1})

@@ -329,6 +329,9 @@ def _compiled_start(tensors, *, op: str, group, options: Options):
     return _start(tuple(tensors[:4]), rest, group=group, options=options)
 
 
+# the compiled op's inputs: the student's (hidden, weight, target, bias), then the teacher's (hidden,
+# weight, bias) or (ids, logprobs); the Function's arguments: (h, w, b, target, source, target_given,
+# spec, call)
 for _name, _optional in (("linear_distillation_loss", {2, 3, 6}),
                          *((f"linear_distillation_loss:{t}", {2, 3}) for t in TAIL_MODES)):
     compiled.register(_name, _LinearDistillation, _compiled_start, grad_of=(0, 1, 3) + (None,) * 5, target=2,
