@@ -21,10 +21,7 @@ from tests.test_distillation import KINDS
 from tests.test_distillation_topk import TAILS
 from tests.test_distillation_topk import reference as topk_reference
 from tests import test_linear_distillation as linear
-from tests.test_linear_distillation import _assert_clean, _leaf, _single_threaded, _upstream, compare  # noqa: F401
-
-H_S, H_T = 5, 6
-TOKENS = (2, 4)
+from tests.test_linear_distillation import H_S, TOKENS, _assert_clean, _leaf, _single_threaded, _upstream, compare  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -36,38 +33,25 @@ class Case(linear.Case):
 
 
 @dataclass
-class Full:
-    """The whole problem in float64: the student's hidden states and full lm_head, the teacher's
-    full logits (for ``k = V`` against the dense op) and its top-k record at the temperature."""
+class Full(linear.Full):
+    """The dense fused op's whole problem in float64 (the student's hidden states and full lm_head,
+    the teacher's, the target) and the teacher's top-k record at the temperature, from its logits
+    ``ht @ wt.T``."""
 
-    hs: torch.Tensor
-    ws: torch.Tensor
-    bs: torch.Tensor | None
-    ht: torch.Tensor
-    wt: torch.Tensor
-    ids: torch.Tensor
-    logprobs: torch.Tensor
-    target: torch.Tensor | None
+    ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
 
     @classmethod
     def of(cls, case: Case) -> "Full":
-        g = torch.Generator().manual_seed(case.seed)
-
-        def rand(*shape, scale=1.0):
-            return torch.randn(*shape, generator=g, dtype=torch.float64) * scale
-
-        hs, ws, bs = rand(*TOKENS, H_S), rand(case.vocab, H_S, scale=0.8), rand(case.vocab) if case.bias else None
-        ht, wt = rand(*TOKENS, H_T), rand(case.vocab, H_T, scale=0.8)
-        t = ht @ wt.T
+        base = linear.Full.of(case)
+        t = base.ht @ base.wt.T
         top = t.topk(case.k, -1).indices
-        ids = top.gather(-1, torch.argsort(torch.rand(top.shape, generator=g), -1))  # not in rank order
+        order = torch.argsort(torch.rand(top.shape, generator=torch.Generator().manual_seed(case.seed)), -1)
+        ids = top.gather(-1, order)  # not in rank order
         logprobs = F.log_softmax(t / case.temperature, -1).gather(-1, ids)
-        target = torch.randint(0, case.vocab, TOKENS, generator=g)
-        target[0, 1] = target[1, 3] = -100
-        ids[0, 1] = case.vocab + 3  # an ignored token's record is never read
-        if case.target == "no target":
-            ids[0, 1] = ids[0, 0]
-        return cls(hs, ws, bs, ht, wt, ids, logprobs, None if case.target == "no target" else target)
+        # an ignored token's record is never read; without a target every token counts
+        ids[0, 1] = case.vocab + 3 if base.target is not None else ids[0, 0]
+        return cls(**vars(base), ids=ids, logprobs=logprobs)
 
     def teacher(self, case: Case, rows: slice | None = None) -> TopKTeacher:
         """The record over the token dims, or its flat ``rows`` (a rank's own tokens)."""

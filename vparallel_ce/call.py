@@ -213,12 +213,21 @@ def distillation_call(student, teacher, target, *, group, options: Options
                             distillation=_distill_shape(options))
     if not sparse:
         return call, inp, _rows(teacher, inp.target.numel(), call.layout.local_size)
-    n, k = inp.target.numel(), teacher.ids.shape[-1]
+    return call, inp, _topk_rows(teacher, call, inp.target, options, given)
+
+
+def _topk_rows(teacher: TopKTeacher, call: Call, target: torch.Tensor, options: Options, given: bool) -> TopKRows:
+    """A (checked, agreed) sparse teacher's ``[N, k]`` rows, its values checked with ``check``
+    (:func:`~vparallel_ce.validate.check_topk_values`, on the tokens that count: all of them
+    without a target) -- with sequence parallelism on each rank's own rows, the ranks joining
+    their verdicts. A compiled op's fake run has no values: its real run checks them."""
+    n, k = target.numel(), teacher.ids.shape[-1]
     rows = TopKRows(_rows(teacher.ids, n, k).to(torch.int64), _rows(teacher.logprobs, n, k), TailMode(teacher.tail))
-    if options.check and not kernels.is_fake(rows.ids):  # a compiled op checks them when it runs
-        valid = inp.target != options.ignore_index if given else None
-        check_topk_values(rows.ids, rows.logprobs, valid, call.layout.vocab_size, rows.tail)
-    return call, inp, rows
+    if options.check and not kernels.is_fake(rows.ids):
+        valid = target != options.ignore_index if given else None
+        check_topk_values(rows.ids, rows.logprobs, valid, call.layout.vocab_size, rows.tail,
+                          group=call.layout.group if call.sequence_parallel else None)
+    return rows
 
 
 def linear_call(hidden, weight, target, bias, *, op: str, group, options: Options, more_checks=None,
@@ -334,14 +343,7 @@ def linear_distillation_call(student_hidden, student_weight, teacher_hidden, tea
                                 group=group, options=options, more_checks=more_checks, target_given=given,
                                 prefix="student_", teacher=teacher,
                                 distillation=lambda weight: _distill_shape(options, (weight.shape[-1], 0)))
-        n, k = inp.target.numel(), teacher.ids.shape[-1]
-        rows = TopKRows(_rows(teacher.ids, n, k).to(torch.int64), _rows(teacher.logprobs, n, k),
-                        TailMode(teacher.tail))
-        if options.check and not kernels.is_fake(rows.ids):  # a compiled op checks them when it runs
-            valid = inp.target != options.ignore_index if given else None
-            check_topk_values(rows.ids, rows.logprobs, valid, call.layout.vocab_size, rows.tail,
-                              group=call.layout.group if call.sequence_parallel else None)
-        return call, inp, rows
+        return call, inp, _topk_rows(teacher, call, inp.target, options, given)
     t_hidden, t_weight, _, t_bias, _, _ = _unwrap_linear(teacher_hidden, teacher_weight, None, teacher_bias, None, sp)
 
     def more_checks(hidden, weight, amp):

@@ -20,7 +20,7 @@ import torch
 
 from . import compiled
 from .call import Call, TopKRows, autocast_off, distillation_call, settles_check
-from .divergence import Divergence, DistillSpec, token_loss
+from .divergence import DistillSpec, token_loss
 from .options import Options
 from .policy import ChunkPolicy
 from .second_order import first_order_only
@@ -110,8 +110,7 @@ def _eager(student_logits, teacher_logits, target, group, options: Options):
 def _start(student, teacher, target, *, group, options: Options) -> tuple[tuple, torch.Size]:
     """The front door, then :class:`_Distillation`'s arguments and the per-token shape."""
     call, inp, rows = distillation_call(student, teacher, target, group=group, options=options)
-    o = options
-    spec = DistillSpec(Divergence(o.divergence), float(o.beta), float(o.temperature), float(o.hard_weight))
+    spec = DistillSpec.of(options)
     if isinstance(rows, TopKRows):
         math, tensors = TopKMath(rows.tail), (rows.ids, rows.logprobs.detach())
     else:

@@ -84,6 +84,12 @@ class DistillSpec:
     temperature: float = 1.0
     hard_weight: float = 0.0
 
+    @classmethod
+    def of(cls, options) -> "DistillSpec":
+        """The math options of a call's (checked) :class:`~vparallel_ce.options.Options`."""
+        o = options
+        return cls(Divergence(o.divergence), float(o.beta), float(o.temperature), float(o.hard_weight))
+
     @property
     def hard(self) -> bool:
         return self.hard_weight > 0

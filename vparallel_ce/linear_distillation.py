@@ -39,7 +39,7 @@ import torch
 
 from . import compiled
 from .call import Call, TopKRows, autocast_off, linear_distillation_call, settles_check
-from .divergence import Divergence, DistillSpec, token_loss
+from .divergence import DistillSpec, token_loss
 from .linear import Grads, Rows, Schedule, logits, matmul_inputs, scale_unit_grads
 from .linear import _cat, _keep, _valid_count  # the CE's per-chunk bookkeeping, the same here
 from .options import Options
@@ -142,8 +142,7 @@ def _start(student: tuple, teacher: tuple, *, group, options: Options) -> tuple[
     :class:`_LinearDistillation`'s arguments and the per-token shape."""
     (h, w, target, b), (th, tw, tb) = student, teacher
     call, inp, rows = linear_distillation_call(h, w, th, tw, target, b, tb, group=group, options=options)
-    o = options
-    spec = DistillSpec(Divergence(o.divergence), float(o.beta), float(o.temperature), float(o.hard_weight))
+    spec = DistillSpec.of(options)
     if isinstance(rows, TopKRows):
         source = _TopKSource(rows.ids, rows.logprobs.detach(), TopKMath(rows.tail))
     else:
