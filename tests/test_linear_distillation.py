@@ -418,6 +418,20 @@ def test_the_chunk_policy_counts_both_models_working_set():
         "recomputed in backward"
 
 
+def test_triton_row_passes_count_only_the_logits_gradient_as_a_temporary():
+    # a dense teacher's local passes as Triton kernels make no fp32 copies: D = 1, so fewer chunks
+    from vparallel_ce.policy import ChunkPolicy, DistillShape, distillation_chunk_bytes, local_vocab
+
+    policy = ChunkPolicy(budget_bytes=64 * 2**20)
+    n, v, tp, c = 4096, 32000, 2, 100
+    v_loc = local_vocab(v, tp)
+    for kind in ("forward_kl", "jsd"):
+        torch_passes, kernels = DistillShape(kind, (1024, 2048)), DistillShape(kind, (1024, 2048), row_kernels=True)
+        assert distillation_chunk_bytes(c, v, tp, shape=kernels) == c * (4 * v_loc * 3 + 4 * (1024 + 2048))
+        assert distillation_chunk_bytes(c, v, tp, shape=DistillShape(kind, row_kernels=True)) == c * 4 * v_loc
+        assert policy.plan(n, v, tp, distillation=kernels).chunks < policy.plan(n, v, tp, distillation=torch_passes).chunks
+
+
 def test_both_distillation_ops_plan_auto_chunks_by_the_distillation_model():
     # what the front doors hand the autograd Functions: the distillation plan, not the CE's
     from vparallel_ce.call import distillation_call, linear_distillation_call

@@ -216,3 +216,36 @@ def test_the_memory_model_counts_fp32_logits():
     assert _policy.peak_bytes(fp32, n, vocab, hidden_size=hid, logits_dtype=torch.float32) <= target.memory_bytes
     shown = _policy.explain(n, vocab, hidden_size=hid, policy=target, logits_dtype=torch.float32)
     assert f"{fp32.chunks} vocab blocks" in shown, shown
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp32_logit_log_probs_on_cuda_are_within_2e_6_of_float64_at_a_model_hidden_size():
+    """cuBLAS's fp32-output GEMM over a long K (H = 4096) truncates its running sum; the fp32 path
+    splits K in two halves added with round-to-nearest, which keeps the log-probs within 2e-6
+    (relative to the largest) of float64 of the same bf16 inputs -- one GEMM was 2.5e-6 off."""
+    n, hidden, vocab = 1024, 4096, 32768
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(n, hidden, generator=g).bfloat16().cuda()
+    w = (torch.randn(vocab, hidden, generator=g) * (2 / math.sqrt(hidden))).bfloat16().cuda()
+    t = torch.randint(0, vocab, (n,), generator=g).cuda()
+    x = h.double() @ w.double().t()
+    want = x.gather(1, t[:, None])[:, 0] - torch.logsumexp(x, -1)
+    got = vparallel_ce.linear_token_logprobs(h, w, t, logits_dtype=torch.float32)
+    err = ((got.double() - want).abs().max() / want.abs().max()).item()
+    assert err <= 2e-6, f"fp32-logit log-probs {err:.2e} off float64"
+
+
+def test_fp32_logits_turn_the_fused_gemm_kernels_off():
+    """The fused kernels sum all of H in one tensor-core accumulator; fp32 logits take the cuBLAS
+    path in two halves of H instead (so the call's kernel settings say fused=False)."""
+    from vparallel_ce.call import linear_call
+    from vparallel_ce.options import Options
+
+    h, w, _, t, _, _ = _data(5)
+    for asked, fused in ((None, True), (torch.float32, False)):
+        call, _ = linear_call(h, w, t, None, op="linear_cross_entropy", group=None,
+                              options=Options(logits_dtype=asked))
+        assert call.kernels.fused is fused, (asked, call.kernels)
+    fp32_call, _ = linear_call(h.float(), w.float(), t, None, op="linear_cross_entropy", group=None,
+                               options=Options(logits_dtype=torch.float32))
+    assert fp32_call.kernels.fused, "fp32 matmuls already make fp32 logits: nothing to turn off"

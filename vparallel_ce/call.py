@@ -210,7 +210,7 @@ def distillation_call(student, teacher, target, *, group, options: Options
 
     call, inp = logits_call(student, target, op="distillation_loss", group=group, options=options,
                             more_checks=more_checks, target_given=given, teacher=teacher,
-                            distillation=_distill_shape(options))
+                            distillation=_distill_shape(options, local(student), dense=not sparse))
     if not sparse:
         return call, inp, _rows(teacher, inp.target.numel(), call.layout.local_size)
     return call, inp, _topk_rows(teacher, call, inp.target, options, given)
@@ -254,6 +254,10 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
     chosen = kernels.settings()
     if o.batch_invariant is True:  # fixed-shape torch GEMMs: never the per-shape fused kernels
         chosen = replace(chosen, choice=kernels.KernelChoice.TORCH, fused=False)
+    elif problem is None and _logits_dtype(o.logits_dtype, matmul) is not None:
+        # fp32 logits come from cuBLAS in two halves of H (linear._mm_wide): the fused kernels sum
+        # all of H in one tensor-core accumulator, which truncates (2.7e-6 log-prob error vs 1.3e-6)
+        chosen = replace(chosen, fused=False)
     fused = problem is None and kernels.fused_applies(weight.device, matmul, entropy=o.with_entropy,
                                                       temperature=float(o.temperature), current=chosen)
 
@@ -342,7 +346,8 @@ def linear_distillation_call(student_hidden, student_weight, teacher_hidden, tea
         call, inp = linear_call(student_hidden, student_weight, target, student_bias, op="linear_distillation_loss",
                                 group=group, options=options, more_checks=more_checks, target_given=given,
                                 prefix="student_", teacher=teacher,
-                                distillation=lambda weight: _distill_shape(options, (weight.shape[-1], 0)))
+                                distillation=lambda weight: _distill_shape(options, weight, (weight.shape[-1], 0),
+                                                                           dense=False))
         return call, inp, _topk_rows(teacher, call, inp.target, options, given)
     t_hidden, t_weight, _, t_bias, _, _ = _unwrap_linear(teacher_hidden, teacher_weight, None, teacher_bias, None, sp)
 
@@ -353,7 +358,8 @@ def linear_distillation_call(student_hidden, student_weight, teacher_hidden, tea
     call, inp = linear_call(student_hidden, student_weight, target, student_bias, op="linear_distillation_loss",
                             group=group, options=options, more_checks=more_checks, target_given=given,
                             also_replicated=(t_hidden,), prefix="student_",
-                            distillation=lambda weight: _distill_shape(options, (weight.shape[-1], t_weight.shape[-1])))
+                            distillation=lambda weight: _distill_shape(options, weight,
+                                                                       (weight.shape[-1], t_weight.shape[-1])))
     return call, inp, TeacherInputs(_rows(t_hidden, inp.target.numel(), t_weight.shape[-1]), t_weight, t_bias)
 
 
@@ -367,11 +373,16 @@ def _stand_in_target(student):
     return torch.zeros(base.shape[:-1], dtype=torch.int64, device=base.device)
 
 
-def _distill_shape(o: Options, hidden_sizes: tuple[int, int] | None = None) -> DistillShape | None:
-    """The distillation memory model's shape of a call (None for a bad divergence: its check
-    reports it before any plan is made)."""
+def _distill_shape(o: Options, like, hidden_sizes: tuple[int, int] | None = None, *,
+                   dense: bool = True) -> DistillShape | None:
+    """The distillation memory model's shape of a call whose logits are made on ``like``'s device
+    (a dense teacher's local passes then run in Triton where :func:`vparallel_ce.kernels.triton_applies`);
+    None for a bad divergence or input: their checks report them before any plan is made."""
     kind = o.divergence.value if isinstance(o.divergence, Divergence) else o.divergence
-    return DistillShape(kind, hidden_sizes) if kind in Divergence._value2member_map_ else None
+    if kind not in Divergence._value2member_map_ or not isinstance(like, torch.Tensor):
+        return None
+    row_kernels = dense and kernels.triton_applies(like.device, like.dtype)
+    return DistillShape(kind, hidden_sizes, row_kernels)
 
 
 def _divisor(o: Options, device: torch.device) -> torch.Tensor | None:

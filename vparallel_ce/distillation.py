@@ -119,7 +119,8 @@ def _start(student, teacher, target, *, group, options: Options) -> tuple[tuple,
 
 
 def _stats_per_chunk(s, teacher, local_t, owned, spec: DistillSpec, call: Call, math):
-    parts = [math.statistics(s[sl], [t[sl] for t in teacher], local_t[sl], owned[sl], spec, call.layout)
+    ops = call.ops(s)
+    parts = [math.statistics(s[sl], [t[sl] for t in teacher], local_t[sl], owned[sl], spec, call.layout, ops)
              for sl in token_slices(s.shape[0], call.plan.chunks)]
     return type(parts[0])(*(None if f[0] is None else torch.cat(f) for f in zip(*parts)))
 
@@ -161,9 +162,10 @@ class _Distillation(torch.autograd.Function):
             w = torch.where(r == 0, r, r * g.to(r.dtype))
             local_t, owned = ctx.targets
             ds = torch.empty_like(s)
+            ops = ctx.call.ops(s)
             for sl in token_slices(s.shape[0], ctx.call.plan.chunks):
                 ds[sl] = ctx.math.grad(s[sl], [t[sl] for t in teacher], local_t[sl], owned[sl],
-                                       _rows_of(ctx.stats, sl), w[sl], ctx.spec, ctx.call.layout)
+                                       _rows_of(ctx.stats, sl), w[sl], ctx.spec, ctx.call.layout, ops)
         return (ds, None, None, None, None, None) + (None,) * len(teacher)
 
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -60,8 +61,9 @@ import torch
 from . import comm
 from .stats import compute_dtype, finite_shift
 
-__all__ = ["Divergence", "DIVERGENCES", "DistillSpec", "DistillStats", "statistics", "token_loss",
-           "grad_student", "hard_sums", "hard_stats", "finish_grad"]
+__all__ = ["Divergence", "DIVERGENCES", "DistillSpec", "DistillStats", "DistillSteps", "TORCH_STEPS", "statistics",
+           "local_maxima", "local_sums", "local_mixture_sums", "target_logit", "token_loss", "grad_student",
+           "hard_sums", "hard_stats", "finish_grad"]
 
 
 class Divergence(str, enum.Enum):
@@ -141,47 +143,83 @@ def _log_mixture(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch
     return torch.logaddexp(log_p + lb, log_q + l1b)
 
 
-def statistics(s: torch.Tensor, t: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor, spec: DistillSpec,
-               layout) -> DistillStats:
-    """Forward steps 1-5 of one chunk: student ``s`` and teacher ``t`` ``[c, V_loc]`` logits of this
-    rank's shard, the targets mapped to it (:func:`vparallel_ce.stats.local_targets`; ignored when
-    ``spec.hard`` is off) -> the global per-token statistics. Collectives over ``layout.group``."""
+def local_maxima(s: torch.Tensor, t: torch.Tensor, spec: DistillSpec) -> torch.Tensor:
+    """Step 1: the shard's row maxima ``[max a, max b (, max s)]``, ``[2 or 3, c]`` (the third only
+    with :attr:`DistillSpec.hard_apart`); -inf for an empty shard."""
     cdt = compute_dtype(s.dtype)
     T = spec.temperature
-    a, b = _scaled(t, T, cdt), _scaled(s, T, cdt)
-    h = _scaled(s, 1.0, cdt) if spec.hard_apart else b
-    maxima = [_maxima(a), _maxima(b)] + ([_maxima(h)] if spec.hard_apart else [])
-    m = comm.all_reduce_max_(torch.stack(maxima), layout.group)
-    m_a, m_b = m[0], m[1]
-    m_h = m[2] if spec.hard_apart else m_b
-    u = a - finite_shift(m_a).unsqueeze(-1)
-    v = b - finite_shift(m_b).unsqueeze(-1)
+    maxima = [_maxima(_scaled(t, T, cdt)), _maxima(_scaled(s, T, cdt))]
+    if spec.hard_apart:
+        maxima.append(_maxima(_scaled(s, 1.0, cdt)))
+    return torch.stack(maxima)
+
+
+def local_sums(s: torch.Tensor, t: torch.Tensor, m: torch.Tensor, spec: DistillSpec) -> torch.Tensor:
+    """Step 3 but the target's logit: relative to the global maxima ``m`` (step 2's), the shard's
+    ``[S_a, S_b (, F or R) (, S_s)]`` -- the divergence's partial sum for the KLs, the hard term's
+    own sum-exp with :attr:`DistillSpec.hard_apart` -- ``[2..4, c]``."""
+    cdt = compute_dtype(s.dtype)
+    T = spec.temperature
+    u = _scaled(t, T, cdt) - finite_shift(m[0]).unsqueeze(-1)
+    v = _scaled(s, T, cdt) - finite_shift(m[1]).unsqueeze(-1)
     eu, ev = torch.exp(u), torch.exp(v)
     sums = [eu.sum(-1), ev.sum(-1)]
-    kind = spec.divergence
-    if kind is Divergence.FORWARD_KL:
+    if spec.divergence is Divergence.FORWARD_KL:
         sums.append(_weighted(eu, u - v).sum(-1))
-    elif kind is Divergence.REVERSE_KL:
+    elif spec.divergence is Divergence.REVERSE_KL:
         sums.append(_weighted(ev, v - u).sum(-1))
-    hard_row = len(sums)  # where the hard term's own sums land
-    sums += hard_sums(h, m_h, local_t, owned, spec)
-    packed = comm.all_reduce_sum_(torch.stack(sums), layout.group)
+    if spec.hard_apart:
+        sums.append(torch.exp(_scaled(s, 1.0, cdt) - finite_shift(m[2]).unsqueeze(-1)).sum(-1))
+    return torch.stack(sums)
+
+
+def local_mixture_sums(s: torch.Tensor, t: torch.Tensor, st: DistillStats, spec: DistillSpec) -> torch.Tensor:
+    """Step 5 (JSD): the shard's ``[P, Q]`` partial sums, ``[2, c]``, from the global maxima and
+    log sum-exps in ``st``."""
+    cdt = compute_dtype(s.dtype)
+    T = spec.temperature
+    log_p = _log_probs(_scaled(t, T, cdt), st.t_max, st.t_log_s)
+    log_q = _log_probs(_scaled(s, T, cdt), st.s_max, st.s_log_s)
+    log_m = _log_mixture(log_p, log_q, spec.beta)
+    return torch.stack([_weighted(torch.exp(log_p), log_p - log_m).sum(-1),
+                        _weighted(torch.exp(log_q), log_q - log_m).sum(-1)])
+
+
+def statistics(s: torch.Tensor, t: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor, spec: DistillSpec,
+               layout, steps: "DistillSteps | None" = None) -> DistillStats:
+    """Forward steps 1-5 of one chunk: student ``s`` and teacher ``t`` ``[c, V_loc]`` logits of this
+    rank's shard, the targets mapped to it (:func:`vparallel_ce.stats.local_targets`; ignored when
+    ``spec.hard`` is off) -> the global per-token statistics. Collectives over ``layout.group``; the
+    local passes are ``steps``' (default :data:`TORCH_STEPS`)."""
+    steps = steps or TORCH_STEPS
+    m = comm.all_reduce_max_(steps.maxima(s, t, spec), layout.group)
+    m_a, m_b = m[0], m[1]
+    m_h = m[2] if spec.hard_apart else m_b
+    sums = steps.sums(s, t, m, spec)
+    if spec.hard:  # the target's shifted logit, where this rank owns it
+        sums = torch.cat([sums, target_logit(s, m_h, local_t, owned).unsqueeze(0)])
+    packed = comm.all_reduce_sum_(sums, layout.group)
     log_sa, log_sb = torch.log(packed[0]), torch.log(packed[1])
-    inner = None
+    kind = spec.divergence
+    hard_rows = packed[2 if kind is Divergence.JSD else 3:]
+    hard = hard_stats(hard_rows, m_h, log_sb, spec)
     if kind is Divergence.FORWARD_KL:
-        div = packed[2] / packed[0] - log_sa + log_sb
-    elif kind is Divergence.REVERSE_KL:
-        div = inner = packed[2] / packed[1] - log_sb + log_sa
-    else:
-        log_p = u - log_sa.unsqueeze(-1)
-        log_q = v - log_sb.unsqueeze(-1)
-        log_m = _log_mixture(log_p, log_q, spec.beta)
-        pq = torch.stack([_weighted(torch.exp(log_p), log_p - log_m).sum(-1),
-                          _weighted(torch.exp(log_q), log_q - log_m).sum(-1)])
-        pq = comm.all_reduce_sum_(pq, layout.group)
-        inner = pq[1]
-        div = spec.beta * pq[0] + (1.0 - spec.beta) * pq[1]
-    return DistillStats(m_a, log_sa, m_b, log_sb, div, inner, *hard_stats(packed[hard_row:], m_h, log_sb, spec))
+        return DistillStats(m_a, log_sa, m_b, log_sb, packed[2] / packed[0] - log_sa + log_sb, None, *hard)
+    if kind is Divergence.REVERSE_KL:
+        inner = packed[2] / packed[1] - log_sb + log_sa
+        return DistillStats(m_a, log_sa, m_b, log_sb, inner, inner, *hard)
+    st = DistillStats(m_a, log_sa, m_b, log_sb, None, None, *hard)
+    pq = comm.all_reduce_sum_(steps.mixture_sums(s, t, st, spec), layout.group)
+    return st._replace(divergence=spec.beta * pq[0] + (1.0 - spec.beta) * pq[1], inner=pq[1])
+
+
+def target_logit(s: torch.Tensor, m_h: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor) -> torch.Tensor:
+    """The hard term's row of the forward's SUM all-reduce: ``s_t - m_h`` where this rank owns the
+    target, else 0 (``[c]``, in the statistics' dtype)."""
+    if s.shape[-1] == 0:
+        return torch.zeros_like(m_h)
+    picked = s.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).to(m_h.dtype) - finite_shift(m_h)
+    return torch.where(owned, picked, torch.zeros_like(picked))
 
 
 def hard_sums(h: torch.Tensor, m_h: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor,
@@ -192,11 +230,7 @@ def hard_sums(h: torch.Tensor, m_h: torch.Tensor, local_t: torch.Tensor, owned: 
     if spec.hard_apart:
         sums.append(torch.exp(h - finite_shift(m_h).unsqueeze(-1)).sum(-1))
     if spec.hard:
-        if h.shape[-1] > 0:
-            picked = h.gather(-1, local_t.unsqueeze(-1)).squeeze(-1) - finite_shift(m_h)
-        else:
-            picked = torch.zeros_like(m_h)
-        sums.append(torch.where(owned, picked, torch.zeros_like(picked)))
+        sums.append(target_logit(h, m_h, local_t, owned))
     return sums
 
 
@@ -258,3 +292,20 @@ def finish_grad(g: torch.Tensor, s: torch.Tensor, soft: torch.Tensor | None, loc
     w = weight.to(cdt).unsqueeze(-1)
     d = torch.where(w == 0, torch.zeros_like(g), g * w)
     return d.to(out_dtype or s.dtype)
+
+
+@dataclass(frozen=True)
+class DistillSteps:
+    """The local passes over a chunk's logits, one implementation (a field of
+    :class:`vparallel_ce.kernels.KernelBackend`): :func:`local_maxima`, :func:`local_sums`,
+    :func:`local_mixture_sums` and :func:`grad_student`, or drop-ins of exactly their signatures
+    (:mod:`vparallel_ce.kernels.triton_distill`). :func:`statistics` runs the collectives between them."""
+
+    maxima: Callable
+    sums: Callable
+    mixture_sums: Callable
+    grad: Callable
+
+
+#: The torch reference of the local passes (and the CPU path).
+TORCH_STEPS = DistillSteps(local_maxima, local_sums, local_mixture_sums, grad_student)

@@ -258,7 +258,7 @@ class _LinearDistillation(torch.autograd.Function):
             for c in range(len(rows)):
                 ch = walk.chunk(c, hm)
                 s, t = logits(call, ch.h, wm, bm), source.chunk(call, rows, c)
-                st = source.math.statistics(s, t, ch.local_t, ch.owned, spec, call.layout)
+                st = source.math.statistics(s, t, ch.local_t, ch.owned, spec, call.layout, call.ops(s))
                 per_token.append(_keep(rows, c, token_loss(st, ch.valid, spec), call.reduction))
                 if in_forward:
                     unit = token_weights(ch.valid, n_valid, call.reduction, st.divergence.dtype)
@@ -312,11 +312,13 @@ def _grads(call: Call, rows: Rows, h, w, b, wm, need) -> Grads:
 def _add_grads(grads: Grads, rows: Rows, c: int, ch: _Chunk, s, teacher: tuple, st, weight, spec: DistillSpec, wm,
                math) -> None:
     """Chunk ``c``'s ``d (sum_i weight_i loss_i)`` into the student's buffers: the logits' gradient
-    in fp32 (``db`` sums it unrounded), the two GEMMs on it in the matmul dtype."""
+    made in fp32 and written in the matmul dtype the two GEMMs take it in, or in fp32 where ``db``
+    sums it (unrounded)."""
     dh_rows = grads.rows_of(rows, c, ch.h)
     if s.shape[-1]:  # an empty vocab shard adds nothing (its dh rows stay 0 until the sum over the group)
-        ds = math.grad(s, teacher, ch.local_t, ch.owned, st, weight, spec, rows.call.layout,
-                       out_dtype=compute_dtype(s.dtype))
+        out_dtype = compute_dtype(s.dtype) if grads.db is not None else ch.h.dtype
+        ds = math.grad(s, teacher, ch.local_t, ch.owned, st, weight, spec, rows.call.layout, rows.call.ops(s),
+                       out_dtype=out_dtype)
         grads.add_block(slice(0, s.shape[-1]), ds, ch.h, wm, dh_rows)
     grads.end_chunk(rows, c, dh_rows)
 

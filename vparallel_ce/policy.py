@@ -384,10 +384,14 @@ class DistillShape:
             log-probabilities besides both softmaxes: more temporaries).
         hidden_sizes: ``(H_s, H_t)``, the student's and the teacher's hidden sizes, for
             ``linear_distillation_loss``; None for ``distillation_loss`` (logits given).
+        row_kernels: the local passes over a dense teacher's and the student's logits run as
+            Triton kernels (:mod:`vparallel_ce.kernels.triton_distill`), which make no fp32
+            temporaries: the only ``[chunk, V_loc]`` array besides the logits is their gradient.
     """
 
     divergence: str = "forward_kl"
     hidden_sizes: tuple[int, int] | None = None
+    row_kernels: bool = False
 
 
 # The most fp32 [chunk, V_loc] arrays alive at once in vparallel_ce.divergence's statistics or
@@ -406,13 +410,14 @@ def distillation_chunk_bytes(tokens: int, vocab_size: int, tp_degree: int = 1, *
         distillation_loss:         tokens * 4 V * D
         linear_distillation_loss:  tokens * (4 V * (D + 2) + 4 (H_s + H_t))
 
-    ``D`` the divergence's fp32 temporaries (11 for the KLs, 15 for the JSD); the linear op adds the
+    ``D`` the divergence's fp32 temporaries (11 for the KLs, 15 for the JSD; 1, the logits'
+    gradient, where :attr:`DistillShape.row_kernels`); the linear op adds the
     two models' logits chunks (counted at 4 bytes a logit, as the budget counts them) and the
     chunk's hidden rows of both models (gathered with sequence parallelism, cast under autocast).
     Not counted: the inputs, and the linear op's gradients (``dh``, and dW's fp32 accumulator,
     ``4 V H_s``, alive over the whole call)."""
     v = local_vocab(vocab_size, tp_degree)
-    arrays = _DISTILL_TEMPORARIES[str(shape.divergence)]
+    arrays = 1 if shape.row_kernels else _DISTILL_TEMPORARIES[str(shape.divergence)]
     if shape.hidden_sizes is None:
         return tokens * 4 * v * arrays
     h_s, h_t = shape.hidden_sizes
@@ -422,7 +427,8 @@ def distillation_chunk_bytes(tokens: int, vocab_size: int, tp_degree: int = 1, *
 def _distill_reason(policy: ChunkPolicy, num_tokens: int, vocab_size: int, tp_degree: int, shape: DistillShape,
                     k: int) -> str:
     whole = distillation_chunk_bytes(num_tokens, vocab_size, tp_degree, shape=shape)
-    parts = "fp32 temporaries" + (", both models' logits and hidden rows" if shape.hidden_sizes else "")
+    parts = ("the logits' gradient" if shape.row_kernels else "fp32 temporaries") + (
+        ", both models' logits and hidden rows" if shape.hidden_sizes else "")
     text = (f"{num_tokens} tokens make a {whole / GiB:.2f} GiB distillation working set "
             f"(distillation_chunk_bytes: {shape.divergence}'s {parts}) against a "
             f"{'default ' if policy.budget_bytes is None else ''}budget of {policy.budget / GiB:.2f} GiB: ")

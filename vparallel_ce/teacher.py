@@ -21,25 +21,26 @@ from dataclasses import dataclass
 
 import torch
 
-from .divergence import DistillSpec, grad_student, statistics
+from .divergence import DistillSpec, statistics
 from .topk import TAIL_MODES, TailMode, TopKTeacher, topk_grad_student, topk_statistics
 
 __all__ = ["DenseMath", "DENSE", "TopKMath", "in_graph", "graph_inputs", "teacher_of"]
 
 
 class DenseMath:
-    """The teacher's logits, ``(t,)``: :mod:`vparallel_ce.divergence`."""
+    """The teacher's logits, ``(t,)``: :mod:`vparallel_ce.divergence`, its local passes ``ops.distill``'s."""
 
     @staticmethod
-    def statistics(s: torch.Tensor, teacher, local_t, owned, spec: DistillSpec, layout):
-        """The chunk's per-token statistics (the op's collectives run here)."""
-        return statistics(s, teacher[0], local_t, owned, spec, layout)
+    def statistics(s: torch.Tensor, teacher, local_t, owned, spec: DistillSpec, layout, ops):
+        """The chunk's per-token statistics (the op's collectives run here); ``ops``: the call's
+        :class:`~vparallel_ce.kernels.KernelBackend`."""
+        return statistics(s, teacher[0], local_t, owned, spec, layout, ops.distill)
 
     @staticmethod
-    def grad(s: torch.Tensor, teacher, local_t, owned, st, weight, spec: DistillSpec, layout,
+    def grad(s: torch.Tensor, teacher, local_t, owned, st, weight, spec: DistillSpec, layout, ops,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The student's ``[c, V_loc]`` logits' gradient for per-token ``weight``; local."""
-        return grad_student(s, teacher[0], local_t, owned, st, weight, spec, out_dtype)
+        return ops.distill.grad(s, teacher[0], local_t, owned, st, weight, spec, out_dtype)
 
 
 DENSE = DenseMath()
@@ -47,14 +48,15 @@ DENSE = DenseMath()
 
 @dataclass(frozen=True)
 class TopKMath:
-    """The teacher's top-k ids and log-probs, ``(ids, logprobs)``: :mod:`vparallel_ce.topk`."""
+    """The teacher's top-k ids and log-probs, ``(ids, logprobs)``: :mod:`vparallel_ce.topk` (the
+    torch math whatever ``ops``: its passes touch ``k + 1`` entries a token, not the vocab)."""
 
     tail: TailMode
 
-    def statistics(self, s: torch.Tensor, teacher, local_t, owned, spec: DistillSpec, layout):
+    def statistics(self, s: torch.Tensor, teacher, local_t, owned, spec: DistillSpec, layout, ops):
         return topk_statistics(s, *teacher, local_t, owned, spec, layout, self.tail)
 
-    def grad(self, s: torch.Tensor, teacher, local_t, owned, st, weight, spec: DistillSpec, layout,
+    def grad(self, s: torch.Tensor, teacher, local_t, owned, st, weight, spec: DistillSpec, layout, ops,
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
         return topk_grad_student(s, teacher[0], local_t, owned, st, weight, spec, layout, self.tail, out_dtype)
 

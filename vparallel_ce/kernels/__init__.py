@@ -28,9 +28,10 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import stats
+from ..divergence import TORCH_STEPS, DistillSteps
 
 __all__ = ["KernelChoice", "KernelSettings", "settings", "use", "KernelBackend", "FusedLinear", "ops_for",
-           "fused_applies", "target_facts", "word_checksum", "TORCH_OPS", "is_fake"]
+           "fused_applies", "triton_applies", "target_facts", "word_checksum", "TORCH_OPS", "is_fake"]
 
 
 # ----------------------------------------------------------------------------------------- settings
@@ -190,7 +191,9 @@ class FusedLinear:
 class KernelBackend:
     """One implementation of the per-chunk steps, chosen once per call (:func:`ops_for`), with what
     it can do as fields. ``grad_logits_``: the gradient written over logits the op owns (None:
-    out of place); ``fused``: the lm_head GEMM fused with the row passes (None: cuBLAS + them)."""
+    out of place); ``fused``: the lm_head GEMM fused with the row passes (None: cuBLAS + them);
+    ``distill``: the distillation ops' local passes over a dense teacher's and the student's logits
+    (:class:`vparallel_ce.divergence.DistillSteps`)."""
 
     name: str
     local_stats: Callable
@@ -199,6 +202,7 @@ class KernelBackend:
     scale_rows: Callable
     grad_logits_: Callable | None = None
     fused: FusedLinear | None = None
+    distill: DistillSteps = TORCH_STEPS
 
 
 TORCH_OPS = KernelBackend("torch", stats.local_stats, stats.grad_logits, stats.loss_stats_grad_, stats.scale_rows)
@@ -259,6 +263,21 @@ def ops_for(x, current: KernelSettings | None = None):
         if ops is not None:
             return ops
     return TORCH_OPS
+
+
+def triton_applies(device, dtype, *, current: KernelSettings | None = None) -> bool:
+    """Whether :func:`ops_for` picks the Triton row passes for tensors of this device and dtype
+    under ``current`` (default the current :func:`settings`): what a plan made before the tensors
+    exist (the distillation memory model) needs to know."""
+    current = current or settings()
+    if current.choice is KernelChoice.TORCH or dtype not in _TRITON_DTYPES:
+        return False
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    on_cpu_too = current.choice is KernelChoice.TRITON and _INTERPRETING  # as ops_for and the kernels' coverage
+    if not (device.type == "cuda" or on_cpu_too):
+        return False
+    return _triton_ops(current.fused) is not None
 
 
 def fused_applies(device, dtype, *, entropy: bool = False, temperature: float = 1.0,

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import stats
-from . import KernelBackend, interpreting
+from . import KernelBackend, interpreting, triton_distill
 
 __all__ = ["OPS", "local_stats", "grad_logits", "grad_logits_", "loss_stats_grad_", "scale_rows"]
 
@@ -349,4 +349,5 @@ def scale_rows(x: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = None
     return out
 
 
-OPS = KernelBackend("triton", local_stats, grad_logits, loss_stats_grad_, scale_rows, grad_logits_=grad_logits_)
+OPS = KernelBackend("triton", local_stats, grad_logits, loss_stats_grad_, scale_rows, grad_logits_=grad_logits_,
+                    distill=triton_distill.STEPS)
