@@ -156,6 +156,48 @@ _OP_CHECKS = textwrap.dedent(
 )
 
 
+# The plan counts the Triton passes' memory only where they run: every tensor they read must be one
+# the kernels take (a fp64 teacher, or a sparse one, keeps the torch passes and their temporaries).
+_PLAN_CHECKS = textwrap.dedent(
+    r"""
+    import torch
+    from vparallel_ce import kernels
+    from vparallel_ce.call import distillation_call, linear_distillation_call
+    from vparallel_ce.kernels import triton_distill
+    from vparallel_ce.options import Options
+    from vparallel_ce.topk import TopKTeacher
+
+    def row_kernels(call):
+        return any("the logits' gradient" in line for line in call.plan.why)
+
+    s = torch.randn(8, 50)
+    sparse = TopKTeacher(torch.arange(3).repeat(8, 1), torch.full((8, 3), -2.0))
+    cases = [("triton", s, torch.randn(8, 50), True), ("triton", s, torch.randn(8, 50).double(), False),
+             ("triton", s.bfloat16(), torch.randn(8, 50).double(), False), ("triton", s.double(), s, False),
+             ("triton", s, sparse, False), ("auto", s, torch.randn(8, 50), False), ("torch", s, s, False)]
+    for choice, student, teacher, want in cases:
+        with kernels.use(choice):
+            call, inp, rows = distillation_call(student, teacher, None, group=None, options=Options())
+            runs = (call.ops(inp.x).distill is triton_distill.STEPS and not isinstance(teacher, TopKTeacher)
+                    and triton_distill._covered(inp.x, rows))
+        assert row_kernels(call) == want == runs, (choice, student.dtype, type(teacher), row_kernels(call), runs)
+    for dtype, want in ((torch.float32, True), (torch.float64, False)):
+        with kernels.use("triton"):
+            hs, ws, ht, wt = (torch.randn(8, 4, dtype=dtype), torch.randn(50, 4, dtype=dtype),
+                              torch.randn(8, 6, dtype=dtype), torch.randn(50, 6, dtype=dtype))
+            call, _, _ = linear_distillation_call(hs, ws, ht, wt, None, None, None, group=None, options=Options())
+        assert row_kernels(call) == want, (dtype, call.plan.why)
+    print("DISTILL_PLAN_OK")
+    """
+)
+
+
+def test_the_plan_counts_the_triton_passes_only_where_they_run():
+    proc = _run(_PLAN_CHECKS, "cpu", interpret=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "DISTILL_PLAN_OK" in proc.stdout
+
+
 def test_both_ops_on_the_triton_backend_match_the_torch_backend_in_the_interpreter():
     proc = _run(_OP_CHECKS, "cpu", interpret=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

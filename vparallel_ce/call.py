@@ -210,7 +210,8 @@ def distillation_call(student, teacher, target, *, group, options: Options
 
     call, inp = logits_call(student, target, op="distillation_loss", group=group, options=options,
                             more_checks=more_checks, target_given=given, teacher=teacher,
-                            distillation=_distill_shape(options, local(student), dense=not sparse))
+                            distillation=_distill_shape(options, (local(student),) + (() if sparse else (teacher,)),
+                                                        dense=not sparse))
     if not sparse:
         return call, inp, _rows(teacher, inp.target.numel(), call.layout.local_size)
     return call, inp, _topk_rows(teacher, call, inp.target, options, given)
@@ -346,7 +347,7 @@ def linear_distillation_call(student_hidden, student_weight, teacher_hidden, tea
         call, inp = linear_call(student_hidden, student_weight, target, student_bias, op="linear_distillation_loss",
                                 group=group, options=options, more_checks=more_checks, target_given=given,
                                 prefix="student_", teacher=teacher,
-                                distillation=lambda weight: _distill_shape(options, weight, (weight.shape[-1], 0),
+                                distillation=lambda weight: _distill_shape(options, (weight,), (weight.shape[-1], 0),
                                                                            dense=False))
         return call, inp, _topk_rows(teacher, call, inp.target, options, given)
     t_hidden, t_weight, _, t_bias, _, _ = _unwrap_linear(teacher_hidden, teacher_weight, None, teacher_bias, None, sp)
@@ -358,7 +359,7 @@ def linear_distillation_call(student_hidden, student_weight, teacher_hidden, tea
     call, inp = linear_call(student_hidden, student_weight, target, student_bias, op="linear_distillation_loss",
                             group=group, options=options, more_checks=more_checks, target_given=given,
                             also_replicated=(t_hidden,), prefix="student_",
-                            distillation=lambda weight: _distill_shape(options, weight,
+                            distillation=lambda weight: _distill_shape(options, (weight,),
                                                                        (weight.shape[-1], t_weight.shape[-1])))
     return call, inp, TeacherInputs(_rows(t_hidden, inp.target.numel(), t_weight.shape[-1]), t_weight, t_bias)
 
@@ -373,15 +374,17 @@ def _stand_in_target(student):
     return torch.zeros(base.shape[:-1], dtype=torch.int64, device=base.device)
 
 
-def _distill_shape(o: Options, like, hidden_sizes: tuple[int, int] | None = None, *,
+def _distill_shape(o: Options, logits: tuple, hidden_sizes: tuple[int, int] | None = None, *,
                    dense: bool = True) -> DistillShape | None:
-    """The distillation memory model's shape of a call whose logits are made on ``like``'s device
-    (a dense teacher's local passes then run in Triton where :func:`vparallel_ce.kernels.triton_applies`);
-    None for a bad divergence or input: their checks report them before any plan is made."""
+    """The distillation memory model's shape of a call whose local passes read tensors like
+    ``logits`` (the student's and a dense teacher's logits, or the lm_head weight whose dtype both
+    linear GEMMs write): they run in Triton where :func:`vparallel_ce.kernels.triton_applies` to
+    every one of them. None for a bad divergence: its check reports it before any plan is made."""
     kind = o.divergence.value if isinstance(o.divergence, Divergence) else o.divergence
-    if kind not in Divergence._value2member_map_ or not isinstance(like, torch.Tensor):
+    if kind not in Divergence._value2member_map_:
         return None
-    row_kernels = dense and kernels.triton_applies(like.device, like.dtype)
+    row_kernels = dense and all(isinstance(x, torch.Tensor) and kernels.triton_applies(x.device, x.dtype)
+                                for x in logits)
     return DistillShape(kind, hidden_sizes, row_kernels)
 
 
