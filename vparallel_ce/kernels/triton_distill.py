@@ -8,7 +8,9 @@ both ``[c, V_loc]`` logits in ``BLOCK``-wide tiles, all arithmetic in fp32.
 * :func:`grad` -- one read, one write of the student logits' gradient in the requested dtype.
 
 The torch versions in :mod:`vparallel_ce.divergence` are the specification: the same formulas in
-the same order, the same special values -- a masked (-inf) logit adds exactly 0, a nan logit makes
+the same order (on a GPU the compiler may fuse a product and a difference into one FMA, so with
+``T != 1`` and logits near 1e4 a sum can differ from torch's by ~1e-4 relative, within the fp32
+rounding of ``z / T`` itself), the same special values -- a masked (-inf) logit adds exactly 0, a nan logit makes
 its row's maximum and sums nan, a row whose weight is exactly 0 gets an exact 0 gradient. Eager torch runs each formula as its own pass over an fp32
 copy of the chunk (about 25 passes for the forward KL's statistics and gradient); here each step
 is one pass over the 16-bit logits. Inputs the kernels do not cover (fp64, CPU tensors outside
