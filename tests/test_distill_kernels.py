@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.test_kernels import _run_interpreted
+
 ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -96,23 +98,18 @@ _STEP_CHECKS = textwrap.dedent(
     """
 )
 
-def _run(script: str, device: str, interpret: bool) -> subprocess.CompletedProcess:
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path}
-    env.pop("VPARALLEL_CE_KERNELS", None)
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    else:
-        env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, "-c", script, device], env=env, cwd=ROOT, capture_output=True, text=True,
+def _run(script: str, device: str) -> subprocess.CompletedProcess:
+    """``script`` in a fresh Python: on ``"cpu"`` under the Triton interpreter
+    (:func:`tests.test_kernels._run_interpreted`), else with the compiled kernels."""
+    if device == "cpu":
+        return _run_interpreted(script, device)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "VPARALLEL_CE_KERNELS")}
+    return subprocess.run([sys.executable, "-c", script, device], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=240)
-    if proc.returncode and "only 0-dimensional arrays can be converted to Python scalars" in proc.stderr:
-        pytest.skip("this Triton's interpreter is incompatible with the installed numpy")
-    return proc
 
 
 def test_each_step_matches_the_torch_reference_in_the_interpreter():
-    proc = _run(_STEP_CHECKS, "cpu", interpret=True)
+    proc = _run(_STEP_CHECKS, "cpu")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "DISTILL_STEPS_OK" in proc.stdout
 
@@ -196,13 +193,13 @@ _PLAN_CHECKS = textwrap.dedent(
 
 
 def test_the_plan_counts_the_triton_passes_only_where_they_run():
-    proc = _run(_PLAN_CHECKS, "cpu", interpret=True)
+    proc = _run(_PLAN_CHECKS, "cpu")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "DISTILL_PLAN_OK" in proc.stdout
 
 
 def test_both_ops_on_the_triton_backend_match_the_torch_backend_in_the_interpreter():
-    proc = _run(_OP_CHECKS, "cpu", interpret=True)
+    proc = _run(_OP_CHECKS, "cpu")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "DISTILL_OPS_OK" in proc.stdout
 
@@ -212,13 +209,13 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @cuda
 def test_each_step_matches_the_torch_reference_on_cuda():
-    proc = _run(_STEP_CHECKS, "cuda", interpret=False)
+    proc = _run(_STEP_CHECKS, "cuda")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "DISTILL_STEPS_OK" in proc.stdout
 
 
 @cuda
 def test_both_ops_on_the_triton_backend_match_the_torch_backend_on_cuda():
-    proc = _run(_OP_CHECKS, "cuda", interpret=False)
+    proc = _run(_OP_CHECKS, "cuda")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "DISTILL_OPS_OK" in proc.stdout

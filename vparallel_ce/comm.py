@@ -98,11 +98,16 @@ def all_reduce_sum_rank_ordered(t: torch.Tensor, group) -> torch.Tensor:
     locally. Returns a new tensor (``t`` itself on one rank)."""
     if not is_sharded(group):
         return t
+    return _gathered_sum(t, group, slice(None))
+
+
+def _gathered_sum(t: torch.Tensor, group, rows: slice) -> torch.Tensor:
+    """``rows`` of every rank's ``t`` added in rank order, from an all-gather: a new tensor."""
     parts = [torch.empty_like(t) for _ in range(world_size(group))]
     dist.all_gather(parts, t.contiguous(), group=group)
-    total = parts[0]
+    total = parts[0][rows]
     for p in parts[1:]:  # elementwise, one rank at a time: the order is the rank order
-        total += p
+        total += p[rows]
     return total
 
 
@@ -161,14 +166,9 @@ def reduce_scatter_rows_rank_ordered(x: torch.Tensor, group) -> torch.Tensor:
     of ``x`` (``world`` times the bytes), then this rank's rows summed locally."""
     if not is_sharded(group):
         return x
-    world, me = world_size(group), rank(group)
-    m = x.shape[0] // world
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    total = parts[0][me * m : (me + 1) * m].clone()
-    for p in parts[1:]:
-        total += p[me * m : (me + 1) * m]
-    return total
+    m = x.shape[0] // world_size(group)
+    me = rank(group)
+    return _gathered_sum(x, group, slice(me * m, (me + 1) * m))
 
 
 def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
