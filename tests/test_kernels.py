@@ -321,6 +321,10 @@ _TARGET_FACTS_CHECKS = textwrap.dedent(
             assert int(validate.target_checksum(u)) == expected[2], (n, ignore, bad, "torch version")
             got = target_facts(u.to(device), ignore).tolist()
             assert got == expected, (n, ignore, bad, got, expected)
+            for vocab in (50, 51, 1 << 41):  # the flag of the deferred check: an id outside [0, vocab)
+                facts, flag = target_facts(u.to(device), ignore, vocab)
+                assert facts.tolist() == expected and flag.dtype == torch.bool and flag.dim() == 0
+                assert bool(flag) == (expected[0] < 0 or expected[1] >= vocab), (n, ignore, bad, vocab)
             if bad != 1 << 40:
                 assert target_facts(u.to(device, torch.int32), ignore).tolist() == expected, (n, bad, "int32")
         if n >= 3 and len(set(t[:3].tolist())) == 3:  # a 3-cycle of the first ids changes the checksum
@@ -340,7 +344,7 @@ _TARGET_FACTS_CHECKS = textwrap.dedent(
 
 def test_target_facts_kernel_in_interpreter():
     # the front door's one launch: [min(0, lowest valid id), max(0, highest), the target checksum]
-    # for ignored ids anywhere, one and several 2048-wide tiles, int64 and int32 targets, equal to
+    # (and, given a vocab size, whether an id lies outside it) for ignored ids anywhere, one and several 2048-wide tiles, int64 and int32 targets, equal to
     # the torch version and to Python integers; and the hidden states' replication checksum (mixed
     # 32-bit words) equal to its torch version across program boundaries
     proc = _run_interpreted(_TARGET_FACTS_CHECKS, "cpu")

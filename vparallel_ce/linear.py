@@ -187,6 +187,10 @@ class Rows:
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool) -> None:
     """``out (+)= a @ b`` with ``out`` possibly wider than ``a``/``b`` (fp32 vs bf16): the product
     is rounded at most once, and a running sum stays in ``out``'s precision."""
+    if a.shape[-1] == 0:  # no rows in this chunk: nothing to add, and a sum that starts here is 0
+        if not accumulate:
+            out.zero_()
+        return
     if a.dtype == out.dtype:
         if accumulate:
             out.addmm_(a, b)
@@ -247,9 +251,10 @@ class Grads:
     """Gradient buffers of one call, in the dtypes of the inputs ``h, w, b`` they are returned for.
 
     Sums over row chunks, vocab blocks or ranks go into fp32 (fp64 for fp64) buffers, cast once at
-    the end. A gradient that ONE matmul makes -- dW without token chunks, dh of an unsharded call
-    with one chunk and one block -- is written straight into the input's dtype (one rounding either
-    way, no fp32 buffer and no cast)."""
+    the end; the first chunk writes dW's sum (beta = 0) rather than adding to a zero-filled one. A
+    gradient that ONE matmul makes -- dW without token chunks, each token chunk's rows of dh of an
+    unsharded call with one vocab block -- is written straight into the input's dtype (one rounding
+    either way, no fp32 buffer and no cast)."""
 
     def __init__(self, h, w, b, need, *, acc_dtype, rows: Rows, schedule: "Schedule"):
         need_h, need_w, need_b = need
@@ -257,14 +262,15 @@ class Grads:
         self.dtypes = (h.dtype, w.dtype, None if b is None else b.dtype)
         # batch invariant: one path whatever the chunk count (fp32 sums, dh by tiles, rank-ordered)
         self.invariant = rows.call.batch_invariant
-        self.dh_direct = len(rows) == 1 and len(schedule.blocks) == 1 and not lay.sharded and not self.invariant
+        self.dh_direct = (len(schedule.blocks) == 1 and not lay.sharded and not self.invariant
+                          and not rows.call.sequence_parallel)
         self.dw_accumulate = len(rows) > 1
+        self.dw_begun: set[int] = set()  # the vocab blocks whose dW sum a chunk has started
         self.dh = self.dw = self.db = None
         if need_h:
             self.dh = torch.empty_like(h) if self.dh_direct else torch.zeros(h.shape, dtype=acc_dtype, device=h.device)
         if need_w:
-            self.dw = (torch.zeros(w.shape, dtype=acc_dtype, device=w.device) if self.dw_accumulate
-                       else torch.empty_like(w))
+            self.dw = torch.empty(w.shape, dtype=acc_dtype if self.dw_accumulate else w.dtype, device=w.device)
         if need_b and b is not None:
             self.db = torch.zeros(w.shape[0], dtype=acc_dtype, device=w.device)
 
@@ -288,14 +294,18 @@ class Grads:
         elif dh_rows is not None:
             _mm_into(dh_rows, dx, w_blk, accumulate=not self.dh_direct)
         if self.dw is not None:
-            _mm_into(_part(self.dw, blk), dx.t(), h_c, accumulate=self.dw_accumulate)
+            begun = blk.start in self.dw_begun
+            self.dw_begun.add(blk.start)
+            _mm_into(_part(self.dw, blk), dx.t(), h_c, accumulate=begun)
 
     def end_chunk(self, rows: Rows, c: int, dh_rows) -> None:
         if dh_rows is not None and rows.call.sequence_parallel:
             self.dh[rows.local[c]] = rows.scatter_grad(c, dh_rows)
 
-    def finish(self, rows: Rows) -> tuple:
-        """Sum the replicated hidden's partial ``dh`` over the group; the gradients in the inputs' dtypes."""
+    def finish(self, rows: Rows, *, cast: bool = True) -> tuple:
+        """Sum the replicated hidden's partial ``dh`` over the group; the gradients in the inputs'
+        dtypes, or with ``cast=False`` as summed (fp32 sums stay fp32: :func:`scale_unit_grads`
+        rounds them once, after the upstream gradient)."""
         sp = rows.call.sequence_parallel  # then dh is this rank's rows, summed by end_chunk
         if self.dh is not None and self.invariant and rows.call.layout.sharded and not sp:
             # world x one chunk's rows at a time
@@ -303,8 +313,10 @@ class Grads:
                 self.dh[sl] = comm.all_reduce_sum_rank_ordered(self.dh[sl], rows.call.layout.group)
         elif self.dh is not None and not sp and not self.invariant:
             comm.all_reduce_sum_(self.dh, rows.call.layout.group)
-        return tuple(g if g is None or g.dtype == dt else g.to(dt)
-                     for g, dt in zip((self.dh, self.dw, self.db), self.dtypes))
+        sums = (self.dh, self.dw, self.db)
+        if not cast:
+            return sums
+        return tuple(g if g is None or g.dtype == dt else g.to(dt) for g, dt in zip(sums, self.dtypes))
 
 
 @dataclass(frozen=True)
@@ -614,7 +626,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 n_valid = _valid_count(t, call)
             ctx.saved = saved
             if mode is Backward.SCALE:  # only [N, H] / [V_loc, H] gradients are kept, no logits
-                ctx.save_for_backward(*grads.finish(rows))
+                ctx.save_for_backward(*grads.finish(rows, cast=False))
+                ctx.grad_dtypes = grads.dtypes
             else:
                 ctx.save_for_backward(h, w, b, t)
             return call.settle_forward(ctx, reduce(_cat(per_token), n_valid, call.reduction))
@@ -626,7 +639,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         saved: Saved = ctx.saved
         call = saved.call
         if saved.mode is Backward.SCALE:  # made in forward for grad_out == 1: scale by the scalar
-            return scale_unit_grads(ctx.saved_tensors, grad_out) + (None, None)
+            return scale_unit_grads(call.ops(grad_out), ctx.saved_tensors, ctx.grad_dtypes, grad_out) + (None, None)
         h, w, b, t = ctx.saved_tensors
         with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
@@ -650,10 +663,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return grads.finish(rows) + (None, None)
 
 
-def scale_unit_grads(grads, grad_out: torch.Tensor) -> tuple:
-    """Gradients made in forward for an upstream gradient of 1, times the scalar ``grad_out`` (each
-    in its own dtype; None stays None)."""
-    return tuple(None if g is None else g * grad_out.to(g.dtype) for g in grads)
+def scale_unit_grads(ops, grads, dtypes, grad_out: torch.Tensor) -> tuple:
+    """Gradients made in forward for an upstream gradient of 1 (:meth:`Grads.finish` uncast), times
+    the scalar ``grad_out``: one pass each (``ops.scale_rows``), the product in fp32 from the fp32
+    sums, rounded once into ``dtypes``; None stays None. A new tensor each time, so a second
+    backward of a retained graph scales the same sums."""
+    return tuple(None if g is None else ops.scale_rows(g, grad_out, out=torch.empty(g.shape, dtype=dt, device=g.device))
+                 for g, dt in zip(grads, dtypes))
 
 
 def grads_from_unit_dx(ops, dx, h, w, b, hm, wm, g, need) -> tuple:

@@ -79,10 +79,9 @@ class DeferredTargetCheck:
     _pool: dict = {}  # (device, dtype) -> (pinned [2], event), free pairs only
 
     def __init__(self, target: torch.Tensor, ignore_index: int, vocab_size: int):
-        span = _target_span(target, ignore_index)
+        span, self.bad = _target_span(target, ignore_index, vocab_size)
         self.vocab_size = vocab_size
         self.event = self.key = None
-        self.device_span = span  # for poison(): read on the device, in stream order
         if span.is_cuda:
             self.key = (span.device, span.dtype)
             # dict.pop is atomic, so two threads never take the same pair
@@ -102,16 +101,14 @@ class DeferredTargetCheck:
     def poison(self, outputs: tuple) -> tuple:
         """``outputs`` with every element NaN where a valid id lies outside ``[0, V)`` (decided on
         the device, no host wait); the values themselves otherwise, bit for bit."""
-        lo, hi = self.device_span.unbind()
-        bad = (lo < 0) | (hi >= self.vocab_size)
-        return tuple(None if x is None else x.masked_fill(bad, float("nan")) for x in outputs)
+        return tuple(None if x is None else x.masked_fill(self.bad, float("nan")) for x in outputs)
 
     def settle(self) -> None:
         """Raise :class:`InvalidInputError` if a valid id lies outside ``[0, V)`` (once)."""
         if self.settled:
             return
         self.settled = True
-        self.device_span = None
+        self.bad = None
         if self.event is not None:
             self.event.synchronize()
         lo, hi = self.span.tolist()
@@ -826,9 +823,16 @@ def word_checksum(words: torch.Tensor) -> torch.Tensor:
     return (v ^ (v >> 15)).sum(dtype=torch.int64)
 
 
-def _target_span(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """``[lo, hi]`` of :func:`_target_facts`."""
-    return _target_facts(target, ignore_index)[:2]
+def _target_span(target: torch.Tensor, ignore_index: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[lo, hi]`` of :func:`_target_facts` and a 0-dim bool, whether a valid id lies outside
+    ``[0, vocab_size)`` (on the target's device; one launch on a GPU)."""
+    t = target.reshape(-1)
+    found = kernels.target_facts(t, ignore_index, vocab_size) if t.numel() else None
+    if found is not None:
+        facts, bad = found
+        return facts[:2], bad
+    lo, hi = _target_facts(t, ignore_index)[:2].unbind()
+    return torch.stack([lo, hi]), (lo < 0) | (hi >= vocab_size)
 
 
 _REPLICATION_CHECKED = contextvars.ContextVar("vparallel_ce_replication_checked", default=True)

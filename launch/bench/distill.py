@@ -5,7 +5,8 @@ For each shape ``N x H_student x H_teacher x V`` (tokens, the two hidden sizes, 
 states and weights, random targets, ``"mean"`` over the tokens) and each method it measures
 
 * ``ms``: forward+backward time (the student's hidden states and lm_head get gradients; the teacher
-  is a constant), median of ``--repeats`` after ``--warmup`` (CUDA events; host clock on CPU);
+  is a constant), median of ``--repeats`` after ``--warmup`` (CUDA events; host clock on CPU),
+  the methods taken in turn, one call each per round (``timing.timed_in_rounds``);
 * ``peak``: ``max_memory_allocated`` during one more forward+backward minus what was allocated
   before it (the resident inputs), so it includes the returned dh and dW (CUDA only);
 * ``err``: ``|x - ref| / |ref|`` of the loss, dh and dW against a float64 reference (full logits of
@@ -39,7 +40,7 @@ import traceback
 import torch
 
 import vparallel_ce
-from launch.bench.timing import time_and_peak
+from launch.bench.timing import peak_of, timed_in_rounds
 
 # Llama3-8B student (H=4096) with a Llama3-70B-width teacher (H=8192); full vocab and its TP=8 shard
 SHAPES = {"llama3_8b_70b": (8192, 4096, 8192, 128256), "llama3_8b_70b_tp8": (8192, 4096, 8192, 16032)}
@@ -148,39 +149,57 @@ def bench_shape(tag, shape, args, device, emit):
     tgt = torch.randint(0, v, (n,), generator=g)
     tgt[torch.rand(n, generator=g) < 0.1] = -100  # prompt / padding tokens
     tgt = tgt.to(device)
-    refs, records = {}, []
+    refs, records, fns = {}, {}, {}
     for name in args.methods:
-        kind = name.split(":")[1]
-        rec = dict(shape=tag, N=n, H_student=h_s, H_teacher=h_t, V=v, method=name, temperature=args.temperature)
+        records[name] = dict(shape=tag, N=n, H_student=h_s, H_teacher=h_t, V=v, method=name,
+                             temperature=args.temperature)
         try:
             fn = make_method(name, device, args.temperature)
             if fn is None:
-                rec.update(error="not available here")
+                records[name].update(error="not available here")
             else:
-                def once():
-                    hs.grad = ws.grad = None
-                    loss = fn(hs, ws, ht, wt, tgt)
-                    loss.backward()
-                    return loss
+                fns[name] = fn
+        except Exception as e:  # noqa: BLE001 -- recorded, the other methods go on
+            records[name].update(error=_error(e))
 
-                ms, peak, loss = time_and_peak(once, (hs, ws), repeats=args.repeats, warmup=args.warmup,
-                                               device=device)
-                rec.update(ms=ms, peak_gib=peak)
-                if not args.no_ref:
-                    if kind not in refs:
-                        refs[kind] = reference(hs, ws, ht, wt, tgt, kind, args.temperature)
-                    r_loss, r_dh, r_dw = refs[kind]
-                    rec.update(err_loss=rel(loss.detach(), r_loss), err_dh=rel(hs.grad, r_dh), err_dw=rel(ws.grad, r_dw))
-        except Exception as e:  # OOM, a missing op, ...: record and go on
-            rec.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
-            if args.verbose:
-                traceback.print_exc()
+    def clean():
         hs.grad = ws.grad = None
+
+    def once(fn):
+        loss = fn(hs, ws, ht, wt, tgt)
+        loss.backward()
+        return loss
+
+    # every method once per round, in turn: the GPU's clock drift falls on all of them alike
+    timings = timed_in_rounds({name: (lambda f: lambda: once(f))(fn) for name, fn in fns.items()}, device,
+                              args.repeats, args.warmup, setup=clean)
+    for name, got in timings.items():
+        rec = records[name]
+        try:
+            if isinstance(got, Exception):
+                raise got
+            peak, loss = peak_of(lambda: once(fns[name]), (hs, ws), device)
+            rec.update(ms=got, peak_gib=peak)
+            if not args.no_ref:
+                kind = name.split(":")[1]
+                if kind not in refs:
+                    refs[kind] = reference(hs, ws, ht, wt, tgt, kind, args.temperature)
+                r_loss, r_dh, r_dw = refs[kind]
+                rec.update(err_loss=rel(loss.detach(), r_loss), err_dh=rel(hs.grad, r_dh), err_dw=rel(ws.grad, r_dw))
+        except Exception as e:  # noqa: BLE001 -- OOM, a missing op: recorded, the rest go on
+            rec.update(error=_error(e))
+            if args.verbose:
+                traceback.print_exception(e)
+        clean()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    for rec in records.values():
         emit(rec)
-        records.append(rec)
-    return records
+    return list(records.values())
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
 
 
 def fmt(x, spec):

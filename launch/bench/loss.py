@@ -5,7 +5,8 @@ mean reduction) and each method it measures
 
 * ``ms``: forward+backward time, median of ``--repeats`` after warm-up (CUDA events; host clock
   on CPU), from an idle GPU; with ``--ahead-ms`` also ``ms_behind``, the same behind that much
-  queued GPU work (the training-step case, where host time before the first kernel is hidden);
+  queued GPU work (the training-step case, where host time before the first kernel is hidden),
+  the methods taken in turn, one call each per round (``timing.timed_in_rounds``);
 * ``peak``: ``max_memory_allocated`` during one forward+backward minus what was allocated before
   it (the resident inputs), so it includes the returned gradients dh and dW (CUDA only);
 * ``err``: ``|x - ref| / |ref|`` of the loss, dh and dW against a float64 reference computed in
@@ -42,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 import vparallel_ce
-from launch.bench.timing import sync, time_and_peak
+from launch.bench.timing import sync, time_and_peak, timed_in_rounds
 from vparallel_ce import kernels, policy as _policy
 
 SHAPES = {
@@ -249,6 +250,7 @@ def bench_shape(tag, shape, methods, args, device, emit):
     print(f"# {tag} N={n} H={hdim} V={v}: {str(ref_dtype).split('.')[-1]} reference in "
           f"{time.perf_counter() - s:.1f}s, loss {float(ref_loss):.5f}", flush=True)
     flops3 = 3 * 2 * n * hdim * v
+    behind = _behind_in_rounds(methods, h, w, t, args, device) if args.ahead_ms and device.type == "cuda" else {}
     for name in methods:
         rec = dict(shape=tag, N=n, H=hdim, V=v, method=name, plan=ours_plan(name, n, hdim, v, device))
         try:
@@ -257,9 +259,8 @@ def bench_shape(tag, shape, methods, args, device, emit):
                 continue
             ms, peak, loss, _ = measure(fn, h, w, t, args.repeats, args.warmup, device)
             rec.update(ms=ms, peak_gib=peak, tflops=flops3 / (ms * 1e-3) / 1e12)
-            if args.ahead_ms and device.type == "cuda":  # the training-step case: see timing.timed
-                rec.update(ahead_ms=args.ahead_ms, ms_behind=measure(fn, h, w, t, args.repeats, args.warmup, device,
-                                                                     ahead_ms=args.ahead_ms)[0])
+            if isinstance(behind.get(name), float):  # the training-step case: see timing.timed
+                rec.update(ahead_ms=args.ahead_ms, ms_behind=behind[name])
             if loss is not None:
                 rec.update(err_loss=abs(float(loss.detach()) - float(ref_loss)) / abs(float(ref_loss)),
                            err_dh=rel(h.grad, ref_dh), err_dw=rel(w.grad, ref_dw))
@@ -274,6 +275,28 @@ def bench_shape(tag, shape, methods, args, device, emit):
             torch.cuda.empty_cache()
         emit(rec)
     del ref_dh, ref_dw
+
+
+def _behind_in_rounds(methods, h, w, t, args, device) -> dict:
+    """``ms_behind`` of every method, timed in rounds (:func:`launch.bench.timing.timed_in_rounds`):
+    at small shapes a few percent decide the comparison, more than the GPU's clock drifts between
+    one method's run and the next one's."""
+    steps = {}
+    for name in methods:
+        try:
+            fn = make_method(name, device)
+        except Exception:  # noqa: BLE001 -- reported by the method's own measurement
+            continue
+        if fn is not None:
+            steps[name] = (lambda f: lambda: run_once(f, h, w, t))(fn)
+
+    def clean():
+        h.grad = w.grad = None
+
+    out = timed_in_rounds(steps, device, args.repeats, args.warmup, setup=clean, ahead_ms=args.ahead_ms)
+    clean()
+    _LOGITS.clear()
+    return out
 
 
 def fmt(x, spec):

@@ -3,7 +3,10 @@
 * :func:`timed` -- median milliseconds of a call (CUDA events on a GPU, each call synchronised;
   the host clock on CPU), optionally behind queued GPU work (``ahead_ms``);
 * :func:`time_and_peak` -- :func:`timed` of one forward+backward, then one more call from a clean
-  state for its peak memory over what was allocated before it (CUDA only).
+  state for its peak memory over what was allocated before it (CUDA only);
+* :func:`timed_in_rounds` -- :func:`timed` of several methods taken in turn, one call each per
+  round, and :func:`peak_of` -- one call's peak memory: a method measured after a long run of
+  GEMM-heavy ones no longer meets a hotter, slower GPU than the first one did.
 
 Not run by itself: imported by ``launch.bench.loss``, ``.tp``, ``.rl`` and ``.fused``.
 """
@@ -88,7 +91,44 @@ def time_and_peak(step, params, *, repeats: int, warmup: int, device, ahead_ms: 
         step()
     sync(device)
     ms = timed(step, device, repeats, warmup=0, setup=clean, ahead_ms=ahead_ms)
-    clean()
+    peak, result = peak_of(step, params, device)
+    return ms, peak, result
+
+
+def timed_in_rounds(steps: dict, device, repeats: int, warmup: int, *, setup=None, ahead_ms: float = 0.0) -> dict:
+    """Median ms of each of ``steps`` (name -> call), measured in ``repeats`` rounds that call every
+    step once, in turn, after ``warmup`` calls of each: the GPU's clock, which falls as it heats
+    under sustained GEMMs (by up to 10% on an H100 within a minute), then weighs on every method
+    alike instead of on whichever runs last. A step that raises is dropped; its name maps to the
+    exception."""
+    out, live = {}, dict(steps)
+    for name, fn in list(live.items()):
+        try:
+            for _ in range(warmup):
+                if setup is not None:
+                    setup()
+                fn()
+        except Exception as e:  # noqa: BLE001 -- an OOM or a missing op: recorded, the rest go on
+            out[name] = e
+            del live[name]
+    times = {name: [] for name in live}
+    for _ in range(repeats):
+        for name, fn in list(live.items()):
+            try:
+                times[name].append(timed(fn, device, 1, 0, setup=setup, ahead_ms=ahead_ms))
+            except Exception as e:  # noqa: BLE001
+                out[name] = e
+                del live[name]
+    for name in live:
+        out[name] = statistics.median(times[name])
+    return out
+
+
+def peak_of(step, params, device):
+    """``(peak GiB, result)`` of one call of ``step`` from a clean state: the peak memory allocated
+    over what was allocated before it (nan off CUDA); ``params``' ``.grad`` cleared first."""
+    for p in params:
+        p.grad = None
     peak = float("nan")
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -99,4 +139,4 @@ def time_and_peak(step, params, *, repeats: int, warmup: int, device, ahead_ms: 
     if device.type == "cuda":
         torch.cuda.synchronize()
         peak = (torch.cuda.max_memory_allocated() - base) / GiB
-    return ms, peak, result
+    return peak, result

@@ -34,7 +34,7 @@ BLOCK = 2048
 
 
 @triton.jit
-def _facts_kernel(T, N, ignore_index, OUT, BLOCK: tl.constexpr):
+def _facts_kernel(T, N, ignore_index, vocab_size, OUT, BAD, BLOCK: tl.constexpr, FLAG: tl.constexpr):
     lo = tl.zeros([BLOCK], dtype=tl.int64)  # 0 is in range: it stands for ignored ids and the tail
     hi = tl.zeros([BLOCK], dtype=tl.int64)
     acc = tl.zeros([BLOCK], dtype=tl.int64)
@@ -51,18 +51,26 @@ def _facts_kernel(T, N, ignore_index, OUT, BLOCK: tl.constexpr):
         hi = tl.maximum(hi, t)
     # one vector store of all three (Triton 3.6's interpreter would not store a reduced scalar alone)
     slot = tl.arange(0, 4)
-    vals = tl.where(slot == 0, tl.min(lo, axis=0), tl.where(slot == 1, tl.max(hi, axis=0), tl.sum(acc, axis=0)))
+    least, most = tl.min(lo, axis=0), tl.max(hi, axis=0)
+    vals = tl.where(slot == 0, least, tl.where(slot == 1, most, tl.sum(acc, axis=0)))
     tl.store(OUT + slot, vals, mask=slot < 3)
+    if FLAG:
+        tl.store(BAD + slot, tl.where(slot == 0, (least < 0) | (most >= vocab_size), False), mask=slot < 1)
 
 
-def target_facts(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """``[lo, hi, checksum]`` (int64, on ``target``'s device) of ``target``, in one launch."""
+def target_facts(target: torch.Tensor, ignore_index: int, vocab_size: int | None = None):
+    """``[lo, hi, checksum]`` (int64, on ``target``'s device) of ``target``, in one launch; with
+    ``vocab_size``, ``(facts, bad)``: ``bad`` a 0-dim bool on the device, whether a valid id lies
+    outside ``[0, vocab_size)`` (what a device-side guard masks with, no further launch)."""
     t = target.reshape(-1)
     if not t.is_contiguous():
         t = t.contiguous()
     out = torch.empty(3, dtype=torch.int64, device=t.device)
-    _facts_kernel[(1,)](t, t.numel(), ignore_index, out, BLOCK=BLOCK, num_warps=8)
-    return out
+    flag = vocab_size is not None
+    bad = torch.empty(1, dtype=torch.bool, device=t.device) if flag else out
+    _facts_kernel[(1,)](t, t.numel(), ignore_index, vocab_size if flag else 0, out, bad, BLOCK=BLOCK, FLAG=flag,
+                        num_warps=8)
+    return (out, bad[0]) if flag else out
 
 
 # 2048 int32 words per tile, 4 tiles (32 KiB) per program, 4 warps: the fastest of a sweep on an
