@@ -35,6 +35,7 @@ class Case:
     vocab: int = 7
     bias: bool = True
     seed: int = 0
+    h_s: int = H_S
 
     @property
     def options(self) -> dict:
@@ -77,7 +78,7 @@ class Full:
 
         target = torch.randint(0, case.vocab, TOKENS, generator=g)
         target[0, 1] = target[1, 3] = -100
-        return cls(rand(*TOKENS, H_S), rand(case.vocab, H_S, scale=0.8), rand(case.vocab) if case.bias else None,
+        return cls(rand(*TOKENS, case.h_s), rand(case.vocab, case.h_s, scale=0.8), rand(case.vocab) if case.bias else None,
                    rand(*TOKENS, H_T), rand(case.vocab, H_T, scale=0.8), rand(case.vocab) if case.bias else None,
                    None if case.target == "no target" else target)
 
@@ -307,6 +308,38 @@ def check_bad_input(errors_per_rank) -> list[str]:
 _GROUPS: dict = {}  # on a spawned rank: TP degree -> its group (ranks 0 .. degree - 1)
 
 
+def one_gemm_rank(rank, world, group, vocabs) -> list[str]:
+    """Cases whose plan makes dW by ONE GEMM over every chunk's kept logits' gradient (a student
+    wide enough that the [N, V_loc] buffer is no larger than the fp32 sum over the chunks: 8 fp64
+    tokens, H_s = 16), in forward (mean) and recomputed in backward (none), against the float64
+    reference; with a student bias the plan keeps the fp32 sum. A spy on the gradient buffers
+    says which way each call went."""
+    from vparallel_ce.linear import Grads
+
+    kept_calls = []
+    original = Grads.kept_rows
+
+    def spy(self, rows, c):
+        out = original(self, rows, c)
+        kept_calls.append(out is not None)
+        return out
+
+    Grads.kept_rows = spy
+    failures = []
+    try:
+        combos = itertools.product(vocabs, (("forward_kl", 0.5), ("jsd", 0.3)), ("mean", "none"), (0.0, 0.5))
+        for i, (vocab, (kind, beta), reduction, hard) in enumerate(combos):
+            for bias in (False, True) if i == 0 else (False,):
+                case = Case(kind, beta, 2.0, hard, reduction, chunks=3, vocab=vocab, bias=bias, seed=200 + i, h_s=16)
+                kept_calls.clear()
+                failures += check_case(rank, world, group, case)
+                if vocab // world and (not kept_calls or any(kept_calls) != (not bias)):
+                    failures.append(f"TP {world} rank {rank} {case}: dW {'summed in fp32' if any(kept_calls) else 'by one GEMM'}")
+    finally:
+        Grads.kept_rows = original
+    return failures
+
+
 def tp_rank(rank, world, degree, vocabs, every):
     """TP ``degree`` on the first ranks of one spawned group of four (process pools cost seconds
     each; the others wait): the grid's cases, at TP 2 sequence parallelism and DTensor inputs, at
@@ -323,6 +356,8 @@ def tp_rank(rank, world, degree, vocabs, every):
     failures = grid_rank(rank, degree, group, vocabs, every)
     if degree == 2:
         failures += sequence_parallel_rank(rank, degree, group) + dtensor_rank(rank, degree, group)
+    if degree == 3:
+        failures += one_gemm_rank(rank, degree, group, vocabs)
     return failures, None
 
 
@@ -331,8 +366,12 @@ def test_tp2_grid_sequence_parallel_and_dtensor():
     _assert_clean([failures for failures, _ in run_ranks(tp_rank, 4, 2, (7, 3), 3, timeout=150)])
 
 
+def test_dw_by_one_gemm_over_the_kept_logits_gradients_at_tp1():
+    _assert_clean([one_gemm_rank(0, 1, None, (7,))])
+
+
 def test_tp3_with_uneven_and_empty_shards():
-    # V=7 over 3 ranks: 3/3/1; V=2: 1/1/0, an empty shard
+    # V=7 over 3 ranks: 3/3/1; V=2: 1/1/0, an empty shard; also the one-GEMM dW cases
     _assert_clean([failures for failures, _ in run_ranks(tp_rank, 4, 3, (7, 2), 4, timeout=150)])
 
 
@@ -449,3 +488,26 @@ def test_both_distillation_ops_plan_auto_chunks_by_the_distillation_model():
     call, _, _ = linear_distillation_call(hs, ws, ht, wt, None, None, None, group=None, options=options)
     assert call.plan == policy.plan(n, v, distillation=DistillShape("jsd", (H_S, H_T))), call.plan
     assert call.plan.chunks > 4, call.plan
+
+
+def test_dw_is_one_gemm_where_the_kept_gradients_are_no_larger_than_the_fp32_sum():
+    # several chunks: the [N, V_loc] logits' gradients in the matmul dtype replace the fp32 [V_loc, H_s]
+    # sum over the chunks when N * bytes <= 4 * H_s; one chunk, sequence parallelism or a bias
+    # (grad_bytes 0) keep the plain path
+    from vparallel_ce.policy import ChunkPolicy, DistillShape, WeightGrad, explain
+
+    policy = ChunkPolicy(budget_bytes=256 * 2**20)
+    v = 128256
+    for n, grad_bytes, chunks, want in [(8192, 2, "auto", WeightGrad.ONE_GEMM), (8193, 2, "auto", WeightGrad.CHUNK_SUM),
+                                        (4096, 4, 4, WeightGrad.ONE_GEMM), (4097, 4, 4, WeightGrad.CHUNK_SUM),
+                                        (8192, 0, 4, WeightGrad.CHUNK_SUM), (2048, 2, 1, WeightGrad.CHUNK_SUM)]:
+        shape = DistillShape("forward_kl", (4096, 8192), True, grad_bytes)
+        plan = policy.plan(n, v, 1, chunks=chunks, distillation=shape)
+        assert plan.weight_grad is want, (n, grad_bytes, chunks, plan)
+        if plan.chunks > 1:
+            text = explain(n, v, 1, policy=policy, chunks=chunks, distillation=shape)
+            assert ("dW by one GEMM" in text) == (want is WeightGrad.ONE_GEMM), text
+            assert ("dW summed over the chunks in fp32" in text) == (want is WeightGrad.CHUNK_SUM), text
+    # recomputing plans make dW the same way
+    shape = DistillShape("jsd", (4096, 8192), True, 2)
+    assert policy.plan(8192, v, 8, reduction="none", distillation=shape).weight_grad is WeightGrad.ONE_GEMM

@@ -293,3 +293,32 @@ def test_bf16_autocast_is_within_the_plain_bf16_paths_error():
             if not err > TOL[torch.float64]:  # bf16 GEMMs must show: else the matmuls did not run in bf16
                 failures.append(f"{name}: {what} error {err:.3g} is float64-exact under bf16 autocast")
     _assert_clean([failures])
+
+
+def test_a_sparse_teacher_with_dw_by_one_gemm_equals_one_chunk():
+    # a wide student (8 fp64 tokens, H_s = 16): three chunks write their logits' gradients into the
+    # kept buffer for one dW GEMM; loss and gradients equal one chunk's, each tail mode
+    from vparallel_ce import TopKTeacher
+    from vparallel_ce.policy import WeightGrad
+
+    g = torch.Generator().manual_seed(5)
+    n, h, v, k = 8, 16, 11, 3
+    hs, ws = torch.randn(n, h, generator=g, dtype=torch.float64), torch.randn(v, h, generator=g, dtype=torch.float64)
+    target = torch.randint(0, v, (n,), generator=g)
+    target[2] = -100
+    ids = torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(n)])
+    logprobs = torch.log_softmax(torch.randn(n, v, generator=g, dtype=torch.float64), -1).gather(-1, ids)
+    for tail in ("bucket", "renormalize"):
+        teacher = TopKTeacher(ids, logprobs, tail=tail)
+        got = []
+        for chunks in (1, 3):
+            a, b = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+            out = vparallel_ce.linear_distillation_loss(a, b, teacher, None, target, chunks=chunks, temperature=2.0,
+                                                        hard_weight=0.5)
+            (out * 3.0).backward()
+            got.append((out.detach(), a.grad, b.grad))
+        plan = vparallel_ce.policy.DEFAULT_POLICY.plan(
+            n, v, chunks=3, distillation=vparallel_ce.policy.DistillShape("forward_kl", (h, 0), False, 8))
+        assert plan.weight_grad is WeightGrad.ONE_GEMM, plan
+        for what, x, y in zip(("loss", "dh", "dW"), *got):
+            assert torch.allclose(x, y, rtol=1e-12, atol=1e-14), (tail, what)

@@ -233,15 +233,16 @@ def _topk_rows(teacher: TopKTeacher, call: Call, target: torch.Tensor, options: 
 
 def linear_call(hidden, weight, target, bias, *, op: str, group, options: Options, more_checks=None,
                 target_given: bool = True, also_replicated=(), prefix: str = "", teacher=None,
-                distillation: Callable[[torch.Tensor], DistillShape] | None = None) -> tuple[Call, LinearInputs]:
+                distillation: Callable[[torch.Tensor, int], DistillShape] | None = None) -> tuple[Call, LinearInputs]:
     """The front door of ops over hidden states and this rank's lm_head shard ``[V_local, H]``
     (arguments as in :func:`logits_call`; ``more_checks`` is given the local hidden, weight and the
     enclosing autocast dtype). ``also_replicated``: more local ``[..., H']`` tensors that must be
     replicated like ``hidden`` (their checksums ride on the same fact); ``prefix``: before the
     argument names in messages; ``teacher``: a distillation's sparse teacher
     (:class:`~vparallel_ce.topk.TopKTeacher`), whose facts the ranks agree on; ``distillation``:
-    the distillation memory model's shape for the plan, made from the checked local weight (None:
-    the CE's plan)."""
+    the distillation memory model's shape for the plan, made from the checked local weight and the
+    bytes per element of a logits' gradient the op can keep (the matmul dtype's; 0 with sequence
+    parallelism or a bias) (None: the CE's plan)."""
     o = options
     hidden, weight, target, bias, group, dt_vocab = _unwrap_linear(hidden, weight, target, bias, group,
                                                                    o.sequence_parallel)
@@ -292,7 +293,8 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
         plan = policy.plan(sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1],
                            reduction=o.reduction, chunks=o.chunks, schedule=o.schedule, recompute=o.recompute,
                            fused=fused, logits_dtype=logits,
-                           distillation=None if distillation is None else distillation(weight))
+                           distillation=None if distillation is None else distillation(
+                               weight, 0 if sp or bias is not None else matmul.itemsize))
     call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, sp, counts, matmul, logits, chosen,
                 _divisor(o, weight.device), pending, o.batch_invariant)
     inputs = LinearInputs(_rows(hidden, n, weight.shape[-1]), weight, bias, _flat(target), target.shape)
@@ -347,8 +349,8 @@ def linear_distillation_call(student_hidden, student_weight, teacher_hidden, tea
         call, inp = linear_call(student_hidden, student_weight, target, student_bias, op="linear_distillation_loss",
                                 group=group, options=options, more_checks=more_checks, target_given=given,
                                 prefix="student_", teacher=teacher,
-                                distillation=lambda weight: _distill_shape(options, (weight,), (weight.shape[-1], 0),
-                                                                           dense=False))
+                                distillation=lambda weight, grad_bytes: _distill_shape(
+                                    options, (weight,), (weight.shape[-1], 0), dense=False, grad_bytes=grad_bytes))
         return call, inp, _topk_rows(teacher, call, inp.target, options, given)
     t_hidden, t_weight, _, t_bias, _, _ = _unwrap_linear(teacher_hidden, teacher_weight, None, teacher_bias, None, sp)
 
@@ -359,8 +361,8 @@ def linear_distillation_call(student_hidden, student_weight, teacher_hidden, tea
     call, inp = linear_call(student_hidden, student_weight, target, student_bias, op="linear_distillation_loss",
                             group=group, options=options, more_checks=more_checks, target_given=given,
                             also_replicated=(t_hidden,), prefix="student_",
-                            distillation=lambda weight: _distill_shape(options, (weight,),
-                                                                       (weight.shape[-1], t_weight.shape[-1])))
+                            distillation=lambda weight, grad_bytes: _distill_shape(
+                                options, (weight,), (weight.shape[-1], t_weight.shape[-1]), grad_bytes=grad_bytes))
     return call, inp, TeacherInputs(_rows(t_hidden, inp.target.numel(), t_weight.shape[-1]), t_weight, t_bias)
 
 
@@ -375,17 +377,18 @@ def _stand_in_target(student):
 
 
 def _distill_shape(o: Options, logits: tuple, hidden_sizes: tuple[int, int] | None = None, *,
-                   dense: bool = True) -> DistillShape | None:
+                   dense: bool = True, grad_bytes: int = 0) -> DistillShape | None:
     """The distillation memory model's shape of a call whose local passes read tensors like
     ``logits`` (the student's and a dense teacher's logits, or the lm_head weight whose dtype both
     linear GEMMs write): they run in Triton where :func:`vparallel_ce.kernels.triton_applies` to
-    every one of them. None for a bad divergence: its check reports it before any plan is made."""
+    every one of them. ``grad_bytes``: :attr:`DistillShape.grad_bytes` (the linear op's). None for
+    a bad divergence: its check reports it before any plan is made."""
     kind = o.divergence.value if isinstance(o.divergence, Divergence) else o.divergence
     if kind not in Divergence._value2member_map_:
         return None
     row_kernels = dense and all(isinstance(x, torch.Tensor) and kernels.triton_applies(x.device, x.dtype)
                                 for x in logits)
-    return DistillShape(kind, hidden_sizes, row_kernels)
+    return DistillShape(kind, hidden_sizes, row_kernels, grad_bytes)
 
 
 def _divisor(o: Options, device: torch.device) -> torch.Tensor | None:

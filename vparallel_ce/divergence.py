@@ -252,11 +252,12 @@ def token_loss(st: DistillStats, valid: torch.Tensor, spec: DistillSpec) -> torc
 
 
 def grad_student(s: torch.Tensor, t: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor, st: DistillStats,
-                 weight: torch.Tensor, spec: DistillSpec, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                 weight: torch.Tensor, spec: DistillSpec, out_dtype: torch.dtype | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Backward of one chunk: ``d (sum_i weight_i loss_i) / d s`` for the student's ``[c, V_loc]``
     logits, from the chunk's inputs and its saved statistics (closed forms in the module
     docstring). Rows whose ``weight`` is exactly 0 (ignored tokens) get exactly 0, whatever their
-    logits hold. Local, no communication."""
+    logits hold. Local, no communication. ``out``: written there (its dtype), as ``finish_grad``."""
     cdt = compute_dtype(s.dtype)
     T = spec.temperature
     a, b = _scaled(t, T, cdt), _scaled(s, T, cdt)
@@ -271,16 +272,17 @@ def grad_student(s: torch.Tensor, t: torch.Tensor, local_t: torch.Tensor, owned:
     else:
         log_m = _log_mixture(log_p, log_q, spec.beta)
         g = _weighted(q, log_q - log_m - st.inner.unsqueeze(-1)) * ((1.0 - spec.beta) * T)
-    return finish_grad(g, s, q if not spec.hard_apart else None, local_t, owned, st, weight, spec, out_dtype)
+    return finish_grad(g, s, q if not spec.hard_apart else None, local_t, owned, st, weight, spec, out_dtype, out)
 
 
 def finish_grad(g: torch.Tensor, s: torch.Tensor, soft: torch.Tensor | None, local_t: torch.Tensor,
                 owned: torch.Tensor, st, weight: torch.Tensor, spec: DistillSpec,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The divergence's gradient ``g`` (``[c, V_loc]``, in the statistics' dtype) plus the hard
     term's ``hard_weight (softmax(s) - onehot(target))`` (``soft``: that softmax if already made,
     else remade from ``st.hard_max``/``st.hard_log_s``), times each row's ``weight`` -- exactly 0
-    where the weight is 0 -- in ``out_dtype`` (default ``s.dtype``)."""
+    where the weight is 0 -- in ``out_dtype`` (default ``s.dtype``), or written into ``out`` (a
+    ``[c, V_loc]`` tensor, e.g. rows of a buffer that keeps every chunk's gradient) and returned."""
     cdt = g.dtype
     if spec.hard:
         if soft is None:
@@ -291,6 +293,8 @@ def finish_grad(g: torch.Tensor, s: torch.Tensor, soft: torch.Tensor | None, loc
             g.scatter_add_(-1, local_t.unsqueeze(-1), hit.unsqueeze(-1))
     w = weight.to(cdt).unsqueeze(-1)
     d = torch.where(w == 0, torch.zeros_like(g), g * w)
+    if out is not None:
+        return out.copy_(d)
     return d.to(out_dtype or s.dtype)
 
 

@@ -254,9 +254,15 @@ class Grads:
     the end; the first chunk writes dW's sum (beta = 0) rather than adding to a zero-filled one. A
     gradient that ONE matmul makes -- dW without token chunks, each token chunk's rows of dh of an
     unsharded call with one vocab block -- is written straight into the input's dtype (one rounding
-    either way, no fp32 buffer and no cast)."""
+    either way, no fp32 buffer and no cast).
 
-    def __init__(self, h, w, b, need, *, acc_dtype, rows: Rows, schedule: "Schedule"):
+    ``kept_hidden`` (the plan's :attr:`~vparallel_ce.policy.WeightGrad.ONE_GEMM`, distillation): the
+    call's ``[N, H]`` rows in the matmul dtype. Each chunk then writes its logits' gradient into
+    its rows of one ``[N, V_loc]`` buffer (:meth:`kept_rows`), and :meth:`finish` makes ``dW`` from
+    all of them in ONE GEMM with these rows, straight in the weight's dtype."""
+
+    def __init__(self, h, w, b, need, *, acc_dtype, rows: Rows, schedule: "Schedule",
+                 kept_hidden: torch.Tensor | None = None):
         need_h, need_w, need_b = need
         lay = rows.call.layout
         self.dtypes = (h.dtype, w.dtype, None if b is None else b.dtype)
@@ -264,7 +270,11 @@ class Grads:
         self.invariant = rows.call.batch_invariant
         self.dh_direct = (len(schedule.blocks) == 1 and not lay.sharded and not self.invariant
                           and not rows.call.sequence_parallel)
-        self.dw_accumulate = len(rows) > 1
+        self.kept_hidden = kept_hidden if need_w else None
+        self.kept = None  # the [N, V_loc] logits' gradients, with kept_hidden
+        if self.kept_hidden is not None:
+            self.kept = torch.empty((kept_hidden.shape[0], w.shape[0]), dtype=kept_hidden.dtype, device=w.device)
+        self.dw_accumulate = len(rows) > 1 and self.kept is None
         self.dw_begun: set[int] = set()  # the vocab blocks whose dW sum a chunk has started
         self.dh = self.dw = self.db = None
         if need_h:
@@ -283,6 +293,11 @@ class Grads:
             return torch.zeros(h_c.shape, dtype=self.dh.dtype, device=h_c.device)
         return _part(self.dh, rows.local[c])
 
+    def kept_rows(self, rows: Rows, c: int) -> torch.Tensor | None:
+        """Where chunk ``c``'s logits' gradient is to be written: its rows of the kept buffer (None
+        without one: the chunk makes its own)."""
+        return None if self.kept is None else _part(self.kept, rows.local[c])
+
     def add_block(self, blk: slice, dx: torch.Tensor, h_c: torch.Tensor, w_blk: torch.Tensor, dh_rows) -> None:
         """``dx``: the block's logits' gradient, in the matmul dtype or (fp32 logits) fp32: ``db``
         sums it as it is, the two GEMMs take it rounded to the matmul dtype."""
@@ -293,7 +308,7 @@ class Grads:
             invariant.add_rows_by_tiles(dh_rows, lambda tile: _mm(tile, w_blk, dh_rows.dtype), dx)
         elif dh_rows is not None:
             _mm_into(dh_rows, dx, w_blk, accumulate=not self.dh_direct)
-        if self.dw is not None:
+        if self.dw is not None and self.kept is None:  # (kept: dx is the buffer's rows; dW at finish)
             begun = blk.start in self.dw_begun
             self.dw_begun.add(blk.start)
             _mm_into(_part(self.dw, blk), dx.t(), h_c, accumulate=begun)
@@ -306,6 +321,9 @@ class Grads:
         """Sum the replicated hidden's partial ``dh`` over the group; the gradients in the inputs'
         dtypes, or with ``cast=False`` as summed (fp32 sums stay fp32: :func:`scale_unit_grads`
         rounds them once, after the upstream gradient)."""
+        if self.kept is not None:
+            _mm_into(self.dw, self.kept.t(), self.kept_hidden, accumulate=False)
+            self.kept = self.kept_hidden = None
         sp = rows.call.sequence_parallel  # then dh is this rank's rows, summed by end_chunk
         if self.dh is not None and self.invariant and rows.call.layout.sharded and not sp:
             # world x one chunk's rows at a time

@@ -43,7 +43,7 @@ from .divergence import DistillSpec, token_loss
 from .linear import Grads, Rows, Schedule, logits, matmul_inputs, scale_unit_grads
 from .linear import _cat, _keep, _valid_count  # the CE's per-chunk bookkeeping, the same here
 from .options import Options
-from .policy import ChunkPolicy, GradMode
+from .policy import ChunkPolicy, GradMode, WeightGrad
 from .second_order import first_order_only
 from .stats import compute_dtype, local_targets, reduce, token_weights
 from .teacher import DENSE, TopKMath, graph_inputs, in_graph, teacher_of
@@ -253,7 +253,7 @@ class _LinearDistillation(torch.autograd.Function):
             rows = walk.rows
             # mean's divisor, before the first chunk: gradients made in forward weigh by it
             n_valid = _valid_count(target, call, walk.valid_local) if call.reduction == "mean" else None
-            grads = _grads(call, rows, h, w, b, wm, need) if in_forward else None
+            grads = _grads(call, rows, h, w, b, hm, wm, need) if in_forward else None
             per_token, stats = [], []
             for c in range(len(rows)):
                 ch = walk.chunk(c, hm)
@@ -289,7 +289,7 @@ class _LinearDistillation(torch.autograd.Function):
             source = ctx.teacher.with_tensors(*teacher).prepared(call)
             walk = _Walk(call, target, ctx.target_given)
             rows = walk.rows
-            grads = _grads(call, rows, h, w, b, wm, ctx.need)
+            grads = _grads(call, rows, h, w, b, hm, wm, ctx.need)
             g_local = grad_out.reshape(-1) if call.reduction == "none" else None
             for c in range(len(rows)):
                 ch = walk.chunk(c, hm)
@@ -304,10 +304,14 @@ class _LinearDistillation(torch.autograd.Function):
             return grads.finish(rows) + nothing
 
 
-def _grads(call: Call, rows: Rows, h, w, b, wm, need) -> Grads:
-    """The student's gradient buffers: fp32 sums over chunks and ranks (one block: the whole shard)."""
+def _grads(call: Call, rows: Rows, h, w, b, hm, wm, need) -> Grads:
+    """The student's gradient buffers: fp32 sums over chunks and ranks (one block: the whole shard),
+    or with the plan's :attr:`~vparallel_ce.policy.WeightGrad.ONE_GEMM` every chunk's logits'
+    gradient kept for one dW GEMM with ``hm``, the matmul-dtype hidden rows."""
     whole = Schedule(len(rows), (slice(0, call.layout.local_size),), keep_logits=False)
-    return Grads(h, w, b, need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=whole)
+    one_gemm = call.plan.weight_grad is WeightGrad.ONE_GEMM
+    return Grads(h, w, b, need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=whole,
+                 kept_hidden=hm if one_gemm else None)
 
 
 def _add_grads(grads: Grads, rows: Rows, c: int, ch: _Chunk, s, teacher: tuple, st, weight, spec: DistillSpec, wm,
@@ -319,7 +323,7 @@ def _add_grads(grads: Grads, rows: Rows, c: int, ch: _Chunk, s, teacher: tuple, 
     if s.shape[-1]:  # an empty vocab shard adds nothing (its dh rows stay 0 until the sum over the group)
         out_dtype = compute_dtype(s.dtype) if grads.db is not None else ch.h.dtype
         ds = math.grad(s, teacher, ch.local_t, ch.owned, st, weight, spec, rows.call.layout, rows.call.ops(s),
-                       out_dtype=out_dtype)
+                       out_dtype=out_dtype, out=grads.kept_rows(rows, c))
         grads.add_block(slice(0, s.shape[-1]), ds, ch.h, wm, dh_rows)
     grads.end_chunk(rows, c, dh_rows)
 

@@ -38,9 +38,10 @@ class DenseMath:
 
     @staticmethod
     def grad(s: torch.Tensor, teacher, local_t, owned, st, weight, spec: DistillSpec, layout, ops,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The student's ``[c, V_loc]`` logits' gradient for per-token ``weight``; local."""
-        return ops.distill.grad(s, teacher[0], local_t, owned, st, weight, spec, out_dtype)
+             out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The student's ``[c, V_loc]`` logits' gradient for per-token ``weight``, in ``out_dtype``
+        or written into ``out``; local."""
+        return ops.distill.grad(s, teacher[0], local_t, owned, st, weight, spec, out_dtype, out)
 
 
 DENSE = DenseMath()
@@ -57,8 +58,8 @@ class TopKMath:
         return topk_statistics(s, *teacher, local_t, owned, spec, layout, self.tail)
 
     def grad(self, s: torch.Tensor, teacher, local_t, owned, st, weight, spec: DistillSpec, layout, ops,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return topk_grad_student(s, teacher[0], local_t, owned, st, weight, spec, layout, self.tail, out_dtype)
+             out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        return topk_grad_student(s, teacher[0], local_t, owned, st, weight, spec, layout, self.tail, out_dtype, out)
 
 
 def in_graph(teacher) -> bool:

@@ -204,10 +204,10 @@ def topk_statistics(s: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, 
 
 def topk_grad_student(s: torch.Tensor, ids: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor,
                       st: TopKStats, weight: torch.Tensor, spec: DistillSpec, layout, tail: TailMode,
-                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                      out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Backward of one chunk: ``d (sum_i weight_i loss_i) / d s`` for the student's ``[c, V_loc]``
     logits from the chunk's ids and saved statistics (module docstring); rows whose weight is 0 get
-    exactly 0. Local, no communication."""
+    exactly 0. Local, no communication. ``out``: as :func:`vparallel_ce.divergence.finish_grad`'s."""
     cdt = compute_dtype(s.dtype)
     T = spec.temperature
     local, mine = _local_ids(ids, layout)
@@ -219,4 +219,4 @@ def topk_grad_student(s: torch.Tensor, ids: torch.Tensor, local_t: torch.Tensor,
         g = torch.zeros(s.shape, dtype=cdt, device=s.device)
     if g.shape[-1] > 0:
         g.scatter_add_(-1, local, torch.where(mine, st.grad_ids * T, torch.zeros_like(st.grad_ids)))
-    return finish_grad(g, s, None, local_t, owned, st, weight, spec, out_dtype)
+    return finish_grad(g, s, None, local_t, owned, st, weight, spec, out_dtype, out)

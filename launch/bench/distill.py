@@ -6,7 +6,9 @@ states and weights, random targets, ``"mean"`` over the tokens) and each method 
 
 * ``ms``: forward+backward time (the student's hidden states and lm_head get gradients; the teacher
   is a constant), median of ``--repeats`` after ``--warmup`` (CUDA events; host clock on CPU),
-  the methods taken in turn, one call each per round (``timing.timed_in_rounds``);
+  the methods taken in turn, one call each per round (``timing.timed_in_rounds``); with
+  ``--ahead-ms`` also ``ms_behind``, the same behind that much queued GPU work (a training step,
+  where the host time before the first kernel is hidden);
 * ``peak``: ``max_memory_allocated`` during one more forward+backward minus what was allocated
   before it (the resident inputs), so it includes the returned dh and dW (CUDA only);
 * ``err``: ``|x - ref| / |ref|`` of the loss, dh and dW against a float64 reference (full logits of
@@ -171,8 +173,11 @@ def bench_shape(tag, shape, args, device, emit):
         return loss
 
     # every method once per round, in turn: the GPU's clock drift falls on all of them alike
-    timings = timed_in_rounds({name: (lambda f: lambda: once(f))(fn) for name, fn in fns.items()}, device,
-                              args.repeats, args.warmup, setup=clean)
+    steps = {name: (lambda f: lambda: once(f))(fn) for name, fn in fns.items()}
+    timings = timed_in_rounds(steps, device, args.repeats, args.warmup, setup=clean)
+    behind = {}
+    if args.ahead_ms and device.type == "cuda":  # the training-step case: see timing.timed
+        behind = timed_in_rounds(steps, device, args.repeats, 0, setup=clean, ahead_ms=args.ahead_ms)
     for name, got in timings.items():
         rec = records[name]
         try:
@@ -180,6 +185,8 @@ def bench_shape(tag, shape, args, device, emit):
                 raise got
             peak, loss = peak_of(lambda: once(fns[name]), (hs, ws), device)
             rec.update(ms=got, peak_gib=peak)
+            if isinstance(behind.get(name), float):
+                rec.update(ahead_ms=args.ahead_ms, ms_behind=behind[name])
             if not args.no_ref:
                 kind = name.split(":")[1]
                 if kind not in refs:
@@ -215,7 +222,8 @@ def print_table(records):
         if "error" in r:
             print(f"| {r['shape']} | {r['method']} | {r['error']} | | | | |")
             continue
-        print(f"| {r['shape']} | {r['method']} | {fmt(r['ms'], '.2f')} | {fmt(r['peak_gib'], '.3f')} | "
+        behind = f" ({fmt(r['ms_behind'], '.2f')} behind queued work)" if "ms_behind" in r else ""
+        print(f"| {r['shape']} | {r['method']} | {fmt(r['ms'], '.2f')}{behind} | {fmt(r['peak_gib'], '.3f')} | "
               f"{fmt(r.get('err_loss'), '.1e')} | {fmt(r.get('err_dh'), '.1e')} | {fmt(r.get('err_dw'), '.1e')} |")
 
 
@@ -228,6 +236,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=None, help="timed runs (default 10; 2 with --smoke)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up runs (default 2; 1 with --smoke)")
     p.add_argument("--no-ref", action="store_true", help="skip the float64 reference (no error columns)")
+    p.add_argument("--ahead-ms", type=float, default=0.0,
+                   help="also time each method behind this much queued GPU work (ms_behind; see timing.timed)")
     p.add_argument("--json", default=None, help="append one JSON line per measurement to this file")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)

@@ -263,14 +263,15 @@ def mixture_sums(s: torch.Tensor, t: torch.Tensor, st, spec) -> torch.Tensor:
 
 
 def grad(s: torch.Tensor, t: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor, st, weight: torch.Tensor,
-         spec, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+         spec, out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Drop-in for :func:`vparallel_ce.divergence.grad_student`."""
-    out_dtype = out_dtype or s.dtype
-    if not _covered(s, t) or out_dtype not in _DTYPES:
-        return divergence.grad_student(s, t, local_t, owned, st, weight, spec, out_dtype)
+    out_dtype = out.dtype if out is not None else out_dtype or s.dtype
+    if not _covered(s, t) or out_dtype not in _DTYPES or (out is not None and out.stride(-1) != 1):
+        return divergence.grad_student(s, t, local_t, owned, st, weight, spec, out_dtype, out)
     s, t = _rowwise(s), _rowwise(t)
     c, width = s.shape
-    out = torch.empty(s.shape, dtype=out_dtype, device=s.device)
+    if out is None:
+        out = torch.empty(s.shape, dtype=out_dtype, device=s.device)
     t_max = _f32(st.t_max)
     inner = t_max if st.inner is None else _f32(st.inner)  # dummy pointers where a kind has none
     h_max = t_max if st.hard_max is None else _f32(st.hard_max)
