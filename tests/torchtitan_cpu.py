@@ -6,15 +6,18 @@ torchtitan 0.2.2 takes "cuda" when no accelerator is found and calls CUDA-only f
 torchtitan is imported, this script makes its device lookup answer "cpu" with a device module that
 has the few functions torchtitan calls (memory numbers: peak RSS), and makes FSDP's gradient
 reduction use plain sums, since gloo has no PREMUL_SUM (FSDP uses it for torchtitan's divide
-factor of 1), and skips the trainer's 2-second sleep after its last step (a pause for other ranks'
+factor of 1); it skips the trainer's 2-second sleep after its last step (a pause for other ranks'
 logs; here every rank has finished its last collective by then, and the tests launch the trainer
-a dozen times). Nothing else changes: the trainer, the train specs and the log lines are torchtitan's.
-Test helper only; not part of the library.
+a dozen times) and ends the process once the trainer returns (see the end). Nothing else changes:
+the trainer, the train specs and the log lines are torchtitan's. Test helper only; not part of
+the library.
 """
 
 from __future__ import annotations
 
+import os
 import resource
+import sys
 import time
 import types
 
@@ -79,3 +82,10 @@ if __name__ == "__main__":
 
     without_final_sleep(torchtitan.train)
     main(Trainer)
+    # The trainer has finished and destroyed its process groups. Interpreter finalization can
+    # still abort ("terminate called without an active exception") when gloo's worker threads are
+    # torn down after the interpreter (a known gloo teardown race, seen about once in a CI run
+    # under load): exit here instead, once every log line is out. A failing trainer raises above.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
