@@ -279,7 +279,7 @@ class Grads:
         self.dh = self.dw = self.db = None
         if need_h:
             self.dh = torch.empty_like(h) if self.dh_direct else torch.zeros(h.shape, dtype=acc_dtype, device=h.device)
-        if need_w:
+        if need_w and self.kept is None:  # (kept: dW is made, and allocated, at finish)
             self.dw = torch.empty(w.shape, dtype=acc_dtype if self.dw_accumulate else w.dtype, device=w.device)
         if need_b and b is not None:
             self.db = torch.zeros(w.shape[0], dtype=acc_dtype, device=w.device)
@@ -308,7 +308,7 @@ class Grads:
             invariant.add_rows_by_tiles(dh_rows, lambda tile: _mm(tile, w_blk, dh_rows.dtype), dx)
         elif dh_rows is not None:
             _mm_into(dh_rows, dx, w_blk, accumulate=not self.dh_direct)
-        if self.dw is not None and self.kept is None:  # (kept: dx is the buffer's rows; dW at finish)
+        if self.dw is not None:  # (none with a kept buffer: dx is its rows, dW made at finish)
             begun = blk.start in self.dw_begun
             self.dw_begun.add(blk.start)
             _mm_into(_part(self.dw, blk), dx.t(), h_c, accumulate=begun)
@@ -321,7 +321,9 @@ class Grads:
         """Sum the replicated hidden's partial ``dh`` over the group; the gradients in the inputs'
         dtypes, or with ``cast=False`` as summed (fp32 sums stay fp32: :func:`scale_unit_grads`
         rounds them once, after the upstream gradient)."""
-        if self.kept is not None:
+        if self.kept is not None:  # allocated now, not beside the chunks' logits
+            self.dw = torch.empty((self.kept.shape[1], self.kept_hidden.shape[1]), dtype=self.dtypes[1],
+                                  device=self.kept.device)
             _mm_into(self.dw, self.kept.t(), self.kept_hidden, accumulate=False)
             self.kept = self.kept_hidden = None
         sp = rows.call.sequence_parallel  # then dh is this rank's rows, summed by end_chunk

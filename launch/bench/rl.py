@@ -5,7 +5,7 @@ For each shape N x H x V (tokens x hidden x vocab; bf16 hidden states and weight
 advantages) and each method it measures
 
 * ``ms``: forward+backward time, median of ``--repeats`` after ``--warmup`` (CUDA events; host clock
-  on CPU);
+  on CPU), the methods taken in turn, one call each per round (``timing.timed_in_rounds``);
 * ``peak``: ``max_memory_allocated`` during one more forward+backward minus what was allocated
   before it (the resident inputs), so it includes the returned dh and dW (CUDA only);
 * ``err``: max |x - ref| / max |ref| of logp, entropy, dh and dW against the gathered computation in
@@ -47,7 +47,7 @@ import traceback
 import torch
 
 import vparallel_ce
-from launch.bench.timing import sync, time_and_peak
+from launch.bench.timing import peak_of, sync, timed_in_rounds
 
 SHAPES = {"llama3_8b": (8192, 4096, 128256), "llama3_8b_tp8": (8192, 4096, 16032)}
 # Qwen3-8B: vocab 151936, its TP=8 shard 18992; 8k and 32k tokens
@@ -181,12 +181,6 @@ def run_once(fn, h, w, t, adv, temperature, chunks):
     return loss, outs
 
 
-def measure(fn, h, w, t, adv, temperature, chunks, repeats, warmup, device):
-    ms, peak, (_, outs) = time_and_peak(lambda: run_once(fn, h, w, t, adv, temperature, chunks), (h, w),
-                                        repeats=repeats, warmup=warmup, device=device)
-    return ms, peak, outs
-
-
 # -------------------------------------------------------------------------------------------- main
 
 def bench_shape(tag, shape, args, device, dtype, emit):
@@ -206,13 +200,22 @@ def bench_shape(tag, shape, args, device, dtype, emit):
         print(f"# {tag} N={n} H={hdim} V={v}: {args.ref_dtype} reference in {time.perf_counter() - s:.1f}s",
               flush=True)
     records = []
+    steps = {name: (lambda f: lambda: run_once(f, h, w, t, adv, args.temperature, args.chunks))(FNS[name])
+             for name in args.methods}
+
+    def clean():
+        h.grad = w.grad = None
+
+    # every method once per round, in turn: the GPU's clock drift falls on all of them alike
+    timings = timed_in_rounds(steps, device, args.repeats, args.warmup, setup=clean)
     for name in args.methods:
         rec = dict(shape=tag, N=n, H=hdim, V=v, method=name, dtype=str(dtype).replace("torch.", ""),
                    temperature=args.temperature, chunks=args.chunks, device=device.type)
         try:
-            ms, peak, outs = measure(FNS[name], h, w, t, adv, args.temperature, args.chunks, args.repeats,
-                                     args.warmup, device)
-            rec.update(ms=ms, peak_gib=peak)
+            if isinstance(timings[name], Exception):
+                raise timings[name]
+            peak, (_, outs) = peak_of(steps[name], (h, w), device)
+            rec.update(ms=timings[name], peak_gib=peak)
             if ref is not None and outs is not None:
                 rec.update(err_logp=max_rel(outs[0].detach(), ref[0]), err_entropy=max_rel(outs[1].detach(), ref[1]),
                            err_dh=max_rel(h.grad, ref[2]), err_dw=max_rel(w.grad, ref[3]))
