@@ -249,3 +249,35 @@ def test_fp32_logits_turn_the_fused_gemm_kernels_off():
     fp32_call, _ = linear_call(h.float(), w.float(), t, None, op="linear_cross_entropy", group=None,
                                options=Options(logits_dtype=torch.float32))
     assert fp32_call.kernels.fused, "fp32 matmuls already make fp32 logits: nothing to turn off"
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fp32_logits_gradient_is_made_once_in_the_matmul_dtype_unless_a_bias_sums_it(bias, monkeypatch):
+    # recomputed blocks of fp32 logits: without a bias nothing sums their gradient in fp32, so the
+    # gradient pass writes it in bf16 for the two GEMMs (no fp32 copy written and read back); with a
+    # bias it stays fp32 for db. Same values either way (one rounding), checked against float64
+    # by the tests above.
+    import dataclasses
+
+    from vparallel_ce import kernels, stats
+
+    asked = []
+
+    def spy(x, *args):
+        asked.append((x.dtype, args[-1] if len(args) == 6 else None))
+        return stats.grad_logits(x, *args)
+
+    monkeypatch.setattr(kernels, "TORCH_OPS", dataclasses.replace(kernels.TORCH_OPS, grad_logits=spy))
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(12, 8, generator=g).bfloat16().requires_grad_()
+    w = torch.randn(40, 8, generator=g).bfloat16().requires_grad_()
+    b = torch.randn(40, generator=g).bfloat16().requires_grad_() if bias else None
+    t = torch.randint(0, 40, (12,), generator=g)
+    with vparallel_ce.kernels.use("torch"):
+        loss = vparallel_ce.linear_cross_entropy(h, w, t, bias=b, logits_dtype=torch.float32, schedule="vocab",
+                                                 chunks=2)
+        loss.backward()
+    backward = [a for a in asked if a[0] == torch.float32]
+    assert backward, asked
+    want = torch.float32 if bias else torch.bfloat16
+    assert all((out or torch.float32) == want for _, out in backward), asked

@@ -445,8 +445,12 @@ class Schedule:
                 x = kept[i] if kept else logits(call, h_c, w_blk, b_blk)
                 if kept:
                     kept[i] = None  # its memory is reused by the gradient, then freed
-                if kept and compiled.KEPT_READ_ONLY.get():  # a compiled backward's: read only
-                    dx = ops.grad_logits(x, idx, in_blk, shift, coefs, call.spec)
+                # fp32 logits (Call.logits_dtype) with no bias to sum their gradient in fp32: the
+                # gradient is written once in the matmul dtype the two GEMMs take (the same single
+                # rounding as an fp32 gradient copied down, without its write and read)
+                narrow = h_c.dtype if x.dtype != h_c.dtype and grads.db is None else None
+                if narrow is not None or (kept and compiled.KEPT_READ_ONLY.get()):  # (a compiled backward: read only)
+                    dx = ops.grad_logits(x, idx, in_blk, shift, coefs, call.spec, narrow)
                 else:
                     dx = _grad_in_place(ops, x, idx, in_blk, shift, coefs, call.spec)
                 del x
@@ -702,8 +706,9 @@ def grads_from_unit_dx(ops, dx, h, w, b, hm, wm, g, need) -> tuple:
     ``g`` goes on the ``[N, H]`` operand and result, never on ``dx`` (that would be one more pass
     over the logits). ``g h`` is formed in fp32, rounded once into the matmul dtype (exact for
     ``g = 1``) and freed before ``dh`` is allocated, so the peak is ``dx + dW + dh``, as with the
-    gradient pass of the kept logits. fp32 logits (``Call.logits_dtype``) leave an fp32 ``dx``: ``db``
-    sums it as it is, the GEMMs take a copy in the matmul dtype."""
+    gradient pass of the kept logits. fp32 logits (``Call.logits_dtype``) leave an fp32 ``dx`` here
+    (the forward's kernel writes it over them): ``db`` sums it as it is, the GEMMs take a copy in
+    the matmul dtype."""
     need_h, need_w, need_b = need
     dh = dw = db = None
     if need_b and b is not None:  # a scalar g: a bias with reduction="none" does not take this path
