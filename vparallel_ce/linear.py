@@ -253,8 +253,8 @@ class Grads:
     Sums over row chunks, vocab blocks or ranks go into fp32 (fp64 for fp64) buffers, cast once at
     the end; the first chunk writes dW's sum (beta = 0) rather than adding to a zero-filled one. A
     gradient that ONE matmul makes -- dW without token chunks, each token chunk's rows of dh of an
-    unsharded call with one vocab block -- is written straight into the input's dtype (one rounding
-    either way, no fp32 buffer and no cast).
+    unsharded, not batch-invariant call with one vocab block -- is written straight into the
+    input's dtype (one rounding either way, no fp32 buffer and no cast).
 
     ``kept_hidden`` (the plan's :attr:`~vparallel_ce.policy.WeightGrad.ONE_GEMM`, distillation): the
     call's ``[N, H]`` rows in the matmul dtype. Each chunk then writes its logits' gradient into
@@ -268,8 +268,8 @@ class Grads:
         self.dtypes = (h.dtype, w.dtype, None if b is None else b.dtype)
         # batch invariant: one path whatever the chunk count (fp32 sums, dh by tiles, rank-ordered)
         self.invariant = rows.call.batch_invariant
-        self.dh_direct = (len(schedule.blocks) == 1 and not lay.sharded and not self.invariant
-                          and not rows.call.sequence_parallel)
+        # (sequence parallelism implies a sharded vocab: its gathered rows are summed over the group)
+        self.dh_direct = len(schedule.blocks) == 1 and not lay.sharded and not self.invariant
         self.kept_hidden = kept_hidden if need_w else None
         self.kept = None  # the [N, V_loc] logits' gradients, with kept_hidden
         if self.kept_hidden is not None:
@@ -317,10 +317,8 @@ class Grads:
         if dh_rows is not None and rows.call.sequence_parallel:
             self.dh[rows.local[c]] = rows.scatter_grad(c, dh_rows)
 
-    def finish(self, rows: Rows, *, cast: bool = True) -> tuple:
-        """Sum the replicated hidden's partial ``dh`` over the group; the gradients in the inputs'
-        dtypes, or with ``cast=False`` as summed (fp32 sums stay fp32: :func:`scale_unit_grads`
-        rounds them once, after the upstream gradient)."""
+    def finish(self, rows: Rows) -> tuple:
+        """Sum the replicated hidden's partial ``dh`` over the group; the gradients in the inputs' dtypes."""
         if self.kept is not None:  # allocated now, not beside the chunks' logits
             self.dw = torch.empty((self.kept.shape[1], self.kept_hidden.shape[1]), dtype=self.dtypes[1],
                                   device=self.kept.device)
@@ -333,10 +331,8 @@ class Grads:
                 self.dh[sl] = comm.all_reduce_sum_rank_ordered(self.dh[sl], rows.call.layout.group)
         elif self.dh is not None and not sp and not self.invariant:
             comm.all_reduce_sum_(self.dh, rows.call.layout.group)
-        sums = (self.dh, self.dw, self.db)
-        if not cast:
-            return sums
-        return tuple(g if g is None or g.dtype == dt else g.to(dt) for g, dt in zip(sums, self.dtypes))
+        return tuple(g if g is None or g.dtype == dt else g.to(dt)
+                     for g, dt in zip((self.dh, self.dw, self.db), self.dtypes))
 
 
 @dataclass(frozen=True)
@@ -650,8 +646,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 n_valid = _valid_count(t, call)
             ctx.saved = saved
             if mode is Backward.SCALE:  # only [N, H] / [V_loc, H] gradients are kept, no logits
-                ctx.save_for_backward(*grads.finish(rows, cast=False))
-                ctx.grad_dtypes = grads.dtypes
+                ctx.save_for_backward(*grads.finish(rows))
             else:
                 ctx.save_for_backward(h, w, b, t)
             return call.settle_forward(ctx, reduce(_cat(per_token), n_valid, call.reduction))
@@ -663,7 +658,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         saved: Saved = ctx.saved
         call = saved.call
         if saved.mode is Backward.SCALE:  # made in forward for grad_out == 1: scale by the scalar
-            return scale_unit_grads(call.ops(grad_out), ctx.saved_tensors, ctx.grad_dtypes, grad_out) + (None, None)
+            return scale_unit_grads(call.ops(grad_out), ctx.saved_tensors, grad_out) + (None, None)
         h, w, b, t = ctx.saved_tensors
         with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
@@ -687,13 +682,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return grads.finish(rows) + (None, None)
 
 
-def scale_unit_grads(ops, grads, dtypes, grad_out: torch.Tensor) -> tuple:
-    """Gradients made in forward for an upstream gradient of 1 (:meth:`Grads.finish` uncast), times
-    the scalar ``grad_out``: one pass each (``ops.scale_rows``), the product in fp32 from the fp32
-    sums, rounded once into ``dtypes``; None stays None. A new tensor each time, so a second
-    backward of a retained graph scales the same sums."""
-    return tuple(None if g is None else ops.scale_rows(g, grad_out, out=torch.empty(g.shape, dtype=dt, device=g.device))
-                 for g, dt in zip(grads, dtypes))
+def scale_unit_grads(ops, grads, grad_out: torch.Tensor) -> tuple:
+    """Gradients made in forward for an upstream gradient of 1 (in their inputs' dtypes: the fp32
+    sums are cast in forward, so what a microbatch holds until its backward is no larger than its
+    gradients), times the scalar ``grad_out``: the product formed in fp32 (``ops.scale_rows``: one
+    Triton pass per 2-D gradient on a GPU, a broadcast multiply of a 0-dim CUDA tensor being a slow
+    elementwise path) and rounded into the gradient's dtype -- exact for ``grad_out = 1``. None
+    stays None; a new tensor each time, so a second backward of a retained graph scales the same
+    gradients."""
+    return tuple(None if g is None else ops.scale_rows(g, grad_out, out=torch.empty_like(g)) for g in grads)
 
 
 def grads_from_unit_dx(ops, dx, h, w, b, hm, wm, g, need) -> tuple:

@@ -268,8 +268,7 @@ class _LinearDistillation(torch.autograd.Function):
                 del s, t
             ctx.call, ctx.spec, ctx.need, ctx.in_forward = call, spec, need, in_forward
             if in_forward:  # only the [N, H_s] / [V_loc, H_s] gradients are kept, no logits
-                ctx.save_for_backward(*grads.finish(rows, cast=False))
-                ctx.grad_dtypes = grads.dtypes
+                ctx.save_for_backward(*grads.finish(rows))
             elif any(need):
                 ctx.save_for_backward(h, w, b, target, *teacher.tensors)
                 ctx.teacher, ctx.stats, ctx.n_valid, ctx.target_given = teacher, stats, n_valid, target_given
@@ -281,7 +280,7 @@ class _LinearDistillation(torch.autograd.Function):
     def backward(ctx, grad_out):
         nothing = (None,) * 5
         if ctx.in_forward:  # made in forward for grad_out == 1: scale by the scalar
-            return scale_unit_grads(ctx.call.ops(grad_out), ctx.saved_tensors, ctx.grad_dtypes, grad_out) + nothing
+            return scale_unit_grads(ctx.call.ops(grad_out), ctx.saved_tensors, grad_out) + nothing
         call, spec = ctx.call, ctx.spec
         h, w, b, target, *teacher = ctx.saved_tensors
         with autocast_off(h.device.type):
