@@ -322,17 +322,16 @@ class ChunkPolicy:
         if reduction == "none":
             why.append("reduction='none': the upstream gradient is known only in backward, so both models' logits "
                        "are recomputed there")
-            return self._weight_grad(Plan("token", k, GradMode.RECOMPUTE, tuple(why)), num_tokens, vocab_size,
-                                     tp_degree, shape)
-        if self.microbatches_in_flight > 1:
+            mode = GradMode.RECOMPUTE
+        elif self.microbatches_in_flight > 1:
             why.append(f"{self.microbatches_in_flight} microbatches in flight would each hold dW from forward to "
                        "backward, so recompute")
-            return self._weight_grad(Plan("token", k, GradMode.RECOMPUTE, tuple(why)), num_tokens, vocab_size,
-                                     tp_degree, shape)
-        why.append("the student's gradients made in forward for an upstream gradient of 1 (4 matmuls), scaled in "
-                   "backward")
-        return self._weight_grad(Plan("token", k, GradMode.IN_FORWARD, tuple(why)), num_tokens, vocab_size,
-                                 tp_degree, shape)
+            mode = GradMode.RECOMPUTE
+        else:
+            why.append("the student's gradients made in forward for an upstream gradient of 1 (4 matmuls), scaled "
+                       "in backward")
+            mode = GradMode.IN_FORWARD
+        return self._weight_grad(Plan("token", k, mode, tuple(why)), num_tokens, vocab_size, tp_degree, shape)
 
     @staticmethod
     def _weight_grad(plan: Plan, num_tokens: int, vocab_size: int, tp_degree: int, shape: "DistillShape") -> Plan:

@@ -217,10 +217,10 @@ def run_once(fn, h, w, t):
     return loss, None
 
 
-def measure(fn, h, w, t, repeats: int, warmup: int, device, ahead_ms: float = 0.0):
+def measure(fn, h, w, t, repeats: int, warmup: int, device):
     """``(ms, peak GiB, loss, extra)`` of one method's forward+backward (:func:`time_and_peak`)."""
     ms, peak, (loss, extra) = time_and_peak(lambda: run_once(fn, h, w, t), (h, w), repeats=repeats, warmup=warmup,
-                                            device=device, ahead_ms=ahead_ms)
+                                            device=device)
     return ms, peak, loss, extra
 
 
@@ -250,13 +250,22 @@ def bench_shape(tag, shape, methods, args, device, emit):
     print(f"# {tag} N={n} H={hdim} V={v}: {str(ref_dtype).split('.')[-1]} reference in "
           f"{time.perf_counter() - s:.1f}s, loss {float(ref_loss):.5f}", flush=True)
     flops3 = 3 * 2 * n * hdim * v
-    behind = _behind_in_rounds(methods, h, w, t, args, device) if args.ahead_ms and device.type == "cuda" else {}
+    made = {}  # name -> the method, None (not available here) or the exception making it raised
+    for name in methods:
+        try:
+            made[name] = make_method(name, device)
+        except Exception as e:  # noqa: BLE001 -- recorded with the method's measurement below
+            made[name] = e
+    ready = {name: fn for name, fn in made.items() if fn is not None and not isinstance(fn, Exception)}
+    behind = _behind_in_rounds(ready, h, w, t, args, device) if args.ahead_ms and device.type == "cuda" else {}
     for name in methods:
         rec = dict(shape=tag, N=n, H=hdim, V=v, method=name, plan=ours_plan(name, n, hdim, v, device))
         try:
-            fn = make_method(name, device)
+            fn = made[name]
             if fn is None:
                 continue
+            if isinstance(fn, Exception):
+                raise fn
             ms, peak, loss, _ = measure(fn, h, w, t, args.repeats, args.warmup, device)
             rec.update(ms=ms, peak_gib=peak, tflops=flops3 / (ms * 1e-3) / 1e12)
             if isinstance(behind.get(name), float):  # the training-step case: see timing.timed
@@ -277,18 +286,11 @@ def bench_shape(tag, shape, methods, args, device, emit):
     del ref_dh, ref_dw
 
 
-def _behind_in_rounds(methods, h, w, t, args, device) -> dict:
-    """``ms_behind`` of every method, timed in rounds (:func:`launch.bench.timing.timed_in_rounds`):
-    at small shapes a few percent decide the comparison, more than the GPU's clock drifts between
-    one method's run and the next one's."""
-    steps = {}
-    for name in methods:
-        try:
-            fn = make_method(name, device)
-        except Exception:  # noqa: BLE001 -- reported by the method's own measurement
-            continue
-        if fn is not None:
-            steps[name] = (lambda f: lambda: run_once(f, h, w, t))(fn)
+def _behind_in_rounds(fns: dict, h, w, t, args, device) -> dict:
+    """``ms_behind`` of every method (name -> the made method), timed in rounds
+    (:func:`launch.bench.timing.timed_in_rounds`): at small shapes a few percent decide the
+    comparison, more than the GPU's clock drifts between one method's run and the next one's."""
+    steps = {name: (lambda f: lambda: run_once(f, h, w, t))(fn) for name, fn in fns.items()}
 
     def clean():
         h.grad = w.grad = None
