@@ -322,9 +322,16 @@ _TARGET_FACTS_CHECKS = textwrap.dedent(
             got = target_facts(u.to(device), ignore).tolist()
             assert got == expected, (n, ignore, bad, got, expected)
             for vocab in (50, 51, 1 << 41):  # the flag of the deferred check: an id outside [0, vocab)
-                facts, flag = target_facts(u.to(device), ignore, vocab)
+                facts, flag, count = target_facts(u.to(device), ignore, vocab)
                 assert facts.tolist() == expected and flag.dtype == torch.bool and flag.dim() == 0
-                assert bool(flag) == (expected[0] < 0 or expected[1] >= vocab), (n, ignore, bad, vocab)
+                out_of_range = expected[0] < 0 or expected[1] >= vocab
+                assert bool(flag) == out_of_range, (n, ignore, bad, vocab)
+                # the mean's divisor: the valid count in fp32, NaN where an id is out of range
+                assert count.dtype == torch.float32 and count.dim() == 0
+                if out_of_range:
+                    assert count.isnan(), (n, ignore, bad, vocab, count)
+                else:
+                    assert count.item() == int((u != ignore).sum()), (n, ignore, bad, vocab, count)
             if bad != 1 << 40:
                 assert target_facts(u.to(device, torch.int32), ignore).tolist() == expected, (n, bad, "int32")
         if n >= 3 and len(set(t[:3].tolist())) == 3:  # a 3-cycle of the first ids changes the checksum
@@ -342,20 +349,60 @@ _TARGET_FACTS_CHECKS = textwrap.dedent(
 )
 
 
-def test_target_facts_kernel_in_interpreter():
+_ON_DEVICES = pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+
+
+def _run_checks(script: str, device: str, done: str) -> None:
+    """``script`` run for ``device`` in a fresh Python (in Triton's interpreter on the CPU), which
+    prints ``done`` once every check in it has passed."""
+    proc = _run_interpreted(script, device) if device == "cpu" else subprocess.run(
+        [sys.executable, "-c", script, device], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0 and done in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+@_ON_DEVICES
+def test_target_facts_kernel(device):
     # the front door's one launch: [min(0, lowest valid id), max(0, highest), the target checksum]
-    # (and, given a vocab size, whether an id lies outside it) for ignored ids anywhere, one and several 2048-wide tiles, int64 and int32 targets, equal to
-    # the torch version and to Python integers; and the hidden states' replication checksum (mixed
+    # (and, given a vocab size, whether an id lies outside it and the valid count, NaN if so) for
+    # ignored ids anywhere, one and several 2048-wide tiles, int64 and int32 targets, equal to the
+    # torch version and to Python integers; and the hidden states' replication checksum (mixed
     # 32-bit words) equal to its torch version across program boundaries
-    proc = _run_interpreted(_TARGET_FACTS_CHECKS, "cpu")
-    assert proc.returncode == 0 and "TARGET_FACTS_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    _run_checks(_TARGET_FACTS_CHECKS, device, "TARGET_FACTS_OK")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_target_facts_kernel_on_cuda():
-    proc = subprocess.run([sys.executable, "-c", _TARGET_FACTS_CHECKS, "cuda"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
-    assert proc.returncode == 0 and "TARGET_FACTS_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+_MEAN_CHECKS = textwrap.dedent(
+    """
+    import sys
+    import torch
+    from vparallel_ce import stats
+    from vparallel_ce.kernels import triton_ce
+    device = sys.argv[1]
+    g = torch.Generator().manual_seed(0)
+    for n in (0, 1, 7, 4096, 4097, 16384, 16385):  # empty, one tile, a partial tile, four, past one program
+        x = (torch.rand(n, generator=g, dtype=torch.float64) * 12).to(torch.float32)
+        for divisor in (torch.tensor(max(n - 3, 0)), torch.tensor(float(n) / 3, dtype=torch.float64),
+                        torch.tensor(5.0), torch.tensor(0.0), torch.tensor(float("nan"))):
+            got = triton_ce.reduce(x.to(device), divisor.to(device), "mean")
+            want = x.double().sum() / divisor.to(torch.float32).double()  # the divisor rounded to fp32 first
+            assert got.dtype == torch.float32 and got.dim() == 0 and got.device.type == device, (n, divisor)
+            if want.isnan() or want.isinf():
+                assert (got.isnan() and want.isnan()) or got.item() == want.item(), (n, divisor, got, want)
+            else:
+                assert abs(got.item() - want.item()) <= 2e-7 * abs(want.item()) + 1e-30, (n, divisor, got, want)
+        for reduction in ("sum", "none"):  # as torch does them
+            assert torch.equal(triton_ce.reduce(x.to(device), None, reduction), stats.reduce(x.to(device), None, reduction))
+    print("MEAN_OK")
+    """
+)
+
+
+@_ON_DEVICES
+def test_mean_kernel(device):
+    # the "mean" of a loss' per-token values in one launch: the divisor (a count, a float64
+    # num_valid_tokens, 0, NaN) rounded to fp32 first, an IEEE division, within fp32 summation
+    # error of the float64 mean, for empty, one-tile, multi-tile inputs and past one program's cap
+    _run_checks(_MEAN_CHECKS, device, "MEAN_OK")
 
 
 # ------------------------------------------------------------------------------------- the settings

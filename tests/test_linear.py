@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import vparallel_ce
 from tests.dist import run_ranks
@@ -494,7 +495,15 @@ def _deferred_cases(h, w, b=None):
     """op name -> fn(target) -> outputs, for each op whose world-1 target check can be deferred."""
     return {
         "cross_entropy": lambda t: (vparallel_ce.cross_entropy(h @ w.T, t, reduction="none"),),
+        # a mean divided by the check's own count (NaN on a bad id) needs no masking pass; a sum
+        # or a given divisor does
+        "cross_entropy_mean": lambda t: (vparallel_ce.cross_entropy(h @ w.T, t),),
+        "cross_entropy_sum": lambda t: (vparallel_ce.cross_entropy(h @ w.T, t, reduction="sum"),),
         "linear_cross_entropy": lambda t: (vparallel_ce.linear_cross_entropy(h, w, t, bias=b),),
+        "linear_cross_entropy_one_chunk": lambda t: (vparallel_ce.linear_cross_entropy(h, w, t, chunks=1),),
+        "linear_cross_entropy_chunks_sum": lambda t: (vparallel_ce.linear_cross_entropy(h, w, t, chunks=3,
+                                                                                        reduction="sum"),),
+        "linear_cross_entropy_num_valid": lambda t: (vparallel_ce.linear_cross_entropy(h, w, t, num_valid_tokens=5),),
         "linear_cross_entropy_vocab": lambda t: (vparallel_ce.linear_cross_entropy(h, w, t, schedule="vocab", chunks=2),),
         "token_logprobs": lambda t: vparallel_ce.token_logprobs(h @ w.T, t, with_entropy=True),
         "linear_token_logprobs": lambda t: vparallel_ce.linear_token_logprobs(h, w, t, with_entropy=True),
@@ -552,13 +561,16 @@ def test_on_cuda_the_deferred_check_reuses_its_pinned_pair_only_once_settled():
     first = DeferredTargetCheck(good, -100, 64)
     first.settle()
     pending = DeferredTargetCheck(bad, -100, 64)
+    assert pending.span is None, "nothing is launched before the check's first use"
+    pending.launch()
     assert pending.span is first.span, "a settled pair is reused"
     other = DeferredTargetCheck(good, -100, 64)
+    other.launch()
     assert other.span is not pending.span, "a pending pair is not shared"
     with pytest.raises(vparallel_ce.InvalidInputError, match=r"e\.g\. 70"):
         pending.settle()
     other.settle()  # its own span: good
-    again = DeferredTargetCheck(bad, -100, 64)
+    again = DeferredTargetCheck(bad, -100, 64)  # settled unlaunched: launched then
     with pytest.raises(vparallel_ce.InvalidInputError, match=r"e\.g\. 70"):
         again.settle()
 
@@ -617,3 +629,40 @@ def test_a_memory_target_on_a_group_runs_vocab_blocks_that_match_the_reference()
     for (plan, *errs) in run_ranks(_memory_target_rank, 2):
         assert plan == ("vocab", 2), plan
         assert max(errs) < 1e-12, errs
+
+
+class _Launches(TorchDispatchMode):
+    """The ATen ops an op dispatches, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+# ops that launch no kernel: views and allocations
+_NO_KERNEL = {"t", "slice", "detach", "empty", "empty_like", "view", "_unsafe_view", "reshape", "as_strided", "alias",
+              "select", "expand", "unsqueeze", "squeeze", "transpose"}
+
+
+@pytest.mark.parametrize("op,chunks", [("linear_cross_entropy", 1), ("linear_cross_entropy", 3),
+                                       ("linear_distillation_loss", "auto"), ("linear_distillation_loss", 3)])
+def test_at_world_1_a_linear_op_launches_its_first_gemm_before_any_other_kernel(op, chunks):
+    # from an idle GPU, host time before the first GEMM is time the GPU waits: the target check's
+    # kernel (span, flag, valid count), the mean's divisor and the chunk's target maps come after it
+    hidden, weight, _, target = make_case(13, tokens=(4, 6), vocab=40)
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    teacher_h, teacher_w = hidden.detach().flip(-1), weight.detach().flip(0)
+    with _Launches() as seen:
+        if op == "linear_cross_entropy":
+            vparallel_ce.linear_cross_entropy(h, w, target, chunks=chunks)
+        else:
+            vparallel_ce.linear_distillation_loss(h, w, teacher_h, teacher_w, target, chunks=chunks)
+    first = next(i for i, name in enumerate(seen.ops) if name in ("mm", "addmm", "linear"))
+    early = [name for name in seen.ops[:first] if name not in _NO_KERNEL]
+    assert not early, f"{op} chunks={chunks}: kernels before the first GEMM: {early}"
+    assert any(name in ("aminmax", "min", "max") for name in seen.ops[first:]), \
+        f"{op} chunks={chunks}: the target check did not run: {seen.ops}"

@@ -101,15 +101,41 @@ class Call:
         if self.pending is not None:
             self.pending.settle()
 
-    def settle_forward(self, ctx, *outputs):
+    def valid_count(self, target: torch.Tensor, valid: torch.Tensor | None = None, *,
+                    of_target: bool = True) -> torch.Tensor:
+        """The ``"mean"`` reduction's divisor (0-dim, on the target's device): ``num_valid_tokens``
+        if given; else the valid tokens of ``target`` (``valid``: their mask, if made already),
+        of the whole group with sequence parallelism. At world 1 with the target check pending
+        it is the count the check's launch made (:attr:`DeferredTargetCheck.count`: NaN if an id
+        is out of range, so the mean needs no masking pass; :meth:`settle_forward`'s
+        ``divided_by``) -- unless ``of_target`` is False: the tokens that count are not the
+        target's non-ignored ones (a distillation without a target counts every token)."""
+        if self.divisor is not None:
+            return self.divisor
+        if of_target and self.pending is not None:
+            return self.pending.count
+        n = (target != self.spec.ignore_index if valid is None else valid).sum()
+        if self.sequence_parallel:  # mean over the tokens of the whole group
+            comm.all_reduce_sum_(n, self.layout.group)
+        return n
+
+    def loss_output(self, ctx, ops: kernels.KernelBackend, per_token: torch.Tensor,
+                    n_valid: torch.Tensor | None) -> torch.Tensor:
+        """A loss op's output: its ``per_token`` losses reduced as the call asks (``ops.reduce``;
+        ``n_valid`` the mean's divisor, :meth:`valid_count`), then :meth:`settle_forward`."""
+        return self.settle_forward(ctx, ops.reduce(per_token, n_valid, self.reduction), divided_by=n_valid)
+
+    def settle_forward(self, ctx, *outputs, divided_by: torch.Tensor | None = None):
         """Every op's forward ends here, its kernels queued: the deferred target check raises now,
         or -- where settling would wait for the device and a backward will follow -- the outputs
-        come back NaN if an id is bad (:meth:`DeferredTargetCheck.poison`) and the backward
-        settles it (:func:`settles_check`). Returns ``outputs`` (one tensor for one)."""
+        come back NaN if an id is bad (:meth:`DeferredTargetCheck.poison`; a mean ``divided_by``
+        the check's own count is so already) and the backward settles it (:func:`settles_check`).
+        Returns ``outputs`` (one tensor for one)."""
         p = self.pending
         if p is not None and p.waits_on_device and any(ctx.needs_input_grad) \
                 and not getattr(ctx, "checks_in_forward", False):
-            outputs, ctx.pending = p.poison(outputs), p
+            mean = divided_by if self.reduction == "mean" else None  # only a mean was divided by it
+            outputs, ctx.pending = p.poison(outputs, divided_by=mean), p
         else:
             self.settle()
         return outputs[0] if len(outputs) == 1 else outputs

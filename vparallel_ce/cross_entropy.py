@@ -19,7 +19,7 @@ from .call import Call, autocast_off, logits_call, settles_check
 from .options import Options
 from .policy import ChunkPolicy
 from .stats import (
-    GradCoefs, TokenStats, combine, local_targets, reduce, scale_coefs, token_loss, token_slices, unit_loss_coefs,
+    GradCoefs, TokenStats, combine, local_targets, scale_coefs, token_loss, token_slices, unit_loss_coefs,
 )
 
 __all__ = ["cross_entropy", "logits_statistics", "logits_gradient"]
@@ -128,11 +128,11 @@ class _CrossEntropy(torch.autograd.Function):
         with autocast_off(x.device.type):
             st, targets = logits_statistics(x, target, call)
             valid = targets[2]
-            n_valid = valid.sum() if call.divisor is None else call.divisor
+            n_valid = call.valid_count(target, valid)
             coefs = unit_loss_coefs(st, valid, n_valid, call.reduction, call.spec)
             ctx.save_for_backward(x)
             ctx.call, ctx.targets, ctx.shift, ctx.coefs = call, targets, st.max, coefs  # per-token vectors
-            return call.settle_forward(ctx, reduce(token_loss(st, valid, call.spec), n_valid, call.reduction))
+            return call.loss_output(ctx, call.ops(x), token_loss(st, valid, call.spec), n_valid)
 
     @staticmethod
     @first_order_only("cross_entropy")

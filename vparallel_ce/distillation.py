@@ -24,7 +24,7 @@ from .divergence import DistillSpec, token_loss
 from .options import Options
 from .policy import ChunkPolicy
 from .second_order import first_order_only
-from .stats import local_targets, reduce, token_slices, token_weights
+from .stats import local_targets, token_slices, token_weights
 from .teacher import DENSE, TopKMath, graph_inputs, in_graph, teacher_of
 from .topk import TAIL_MODES
 
@@ -143,12 +143,12 @@ class _Distillation(torch.autograd.Function):
             if not target_given:  # the target is a stand-in: every token counts
                 valid = torch.ones_like(valid)
             st = _stats_per_chunk(s, teacher, local_t, owned, spec, call, math)
-            n_valid = valid.sum() if call.divisor is None else call.divisor
+            n_valid = call.valid_count(target, valid, of_target=target_given)
             weights = token_weights(valid, n_valid, call.reduction, st.s_log_s.dtype)
             ctx.save_for_backward(s, *teacher)
             ctx.call, ctx.spec, ctx.math, ctx.stats = call, spec, math, st
             ctx.targets, ctx.weights = (local_t, owned), weights
-            return call.settle_forward(ctx, reduce(token_loss(st, valid, spec), n_valid, call.reduction))
+            return call.loss_output(ctx, call.ops(s), token_loss(st, valid, spec), n_valid)
 
     @staticmethod
     @first_order_only("distillation_loss")

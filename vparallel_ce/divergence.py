@@ -130,7 +130,7 @@ def _maxima(z: torch.Tensor) -> torch.Tensor:
 def _weighted(w: torch.Tensor, diff: torch.Tensor) -> torch.Tensor:
     """``w * diff`` with the term of a zero weight exactly 0 (a masked entry: ``0 * -inf``), while
     a nan weight (a nan logit) stays nan."""
-    return torch.where(w == 0, torch.zeros_like(w), w * diff)
+    return torch.where(w == 0, 0.0, w * diff)
 
 
 def _log_probs(z: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
@@ -219,7 +219,7 @@ def target_logit(s: torch.Tensor, m_h: torch.Tensor, local_t: torch.Tensor, owne
     if s.shape[-1] == 0:
         return torch.zeros_like(m_h)
     picked = s.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).to(m_h.dtype) - finite_shift(m_h)
-    return torch.where(owned, picked, torch.zeros_like(picked))
+    return torch.where(owned, picked, 0.0)
 
 
 def hard_sums(h: torch.Tensor, m_h: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor,
@@ -248,7 +248,7 @@ def token_loss(st: DistillStats, valid: torch.Tensor, spec: DistillSpec) -> torc
     loss = st.divergence * (spec.temperature ** 2)
     if spec.hard:
         loss = loss + spec.hard_weight * st.hard_loss
-    return torch.where(valid, loss, torch.zeros_like(loss))
+    return torch.where(valid, loss, 0.0)
 
 
 def grad_student(s: torch.Tensor, t: torch.Tensor, local_t: torch.Tensor, owned: torch.Tensor, st: DistillStats,
@@ -289,10 +289,10 @@ def finish_grad(g: torch.Tensor, s: torch.Tensor, soft: torch.Tensor | None, loc
             soft = torch.exp(_log_probs(_scaled(s, 1.0, cdt), st.hard_max, st.hard_log_s))
         g = g + spec.hard_weight * soft
         if g.shape[-1] > 0:
-            hit = torch.where(owned, torch.full_like(st.hard_max, -spec.hard_weight), torch.zeros_like(st.hard_max))
+            hit = torch.where(owned, -spec.hard_weight, torch.zeros_like(st.hard_max))
             g.scatter_add_(-1, local_t.unsqueeze(-1), hit.unsqueeze(-1))
     w = weight.to(cdt).unsqueeze(-1)
-    d = torch.where(w == 0, torch.zeros_like(g), g * w)
+    d = torch.where(w == 0, 0.0, g * w)
     if out is not None:
         return out.copy_(d)
     return d.to(out_dtype or s.dtype)

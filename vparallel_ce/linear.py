@@ -47,7 +47,7 @@ from .call import Call, autocast_off, linear_call, settles_check
 from .options import Options
 from .layout import aligned_parts, vocab_blocks
 from .stats import (
-    GradCoefs, block_targets, combine, compute_dtype, local_targets, merge, reduce, scale_coefs, token_loss,
+    GradCoefs, block_targets, combine, compute_dtype, local_targets, merge, scale_coefs, token_loss,
     token_slices, unit_loss_coefs,
 )
 
@@ -620,9 +620,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for c, h_c, t_c, targets in sched.walk(call, rows, hm, t):
                 if mode is Backward.UNIT_LOGITS:
                     # one kernel makes the chunk's target maps, statistics, loss, and the kept
-                    # logits' gradient for 1 over them: besides it, the valid count (mean) and the sum
+                    # logits' gradient for 1 over them: besides it, the mean's divisor (at world 1 the
+                    # target check's kernel, launched after this GEMM) and the reduction
                     x = logits(call, h_c, wm, bm)
-                    n_valid = _valid_count(t, call) if call.reduction == "mean" else None
+                    n_valid = call.valid_count(t) if call.reduction == "mean" else None
                     st, loss_c = ops.loss_stats_grad_(x, t_c, n_valid, call.reduction, spec)
                     per_token.append(loss_c)
                     saved.kept.add([x])
@@ -633,7 +634,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 local_t, owned, valid = targets()
                 if n_valid is None:  # launched after the first GEMM too (mean's scale needs it from chunk 0)
                     whole = len(rows) == 1 and not call.sequence_parallel  # the chunk's mask is all of t's
-                    n_valid = _valid_count(t, call, valid if whole else None)
+                    n_valid = call.valid_count(t, valid if whole else None)
                 coefs = unit_loss_coefs(st, valid, n_valid, call.reduction, spec)
                 per_token.append(_keep(rows, c, token_loss(st, valid, spec), call.reduction))
                 if mode is Backward.SCALE:
@@ -643,13 +644,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if mode is Backward.KEPT_LOGITS:
                     saved.kept.add(kept)
             if n_valid is None and call.reduction == "mean":
-                n_valid = _valid_count(t, call)
+                n_valid = call.valid_count(t)
             ctx.saved = saved
             if mode is Backward.SCALE:  # only [N, H] / [V_loc, H] gradients are kept, no logits
                 ctx.save_for_backward(*grads.finish(rows))
             else:
                 ctx.save_for_backward(h, w, b, t)
-            return call.settle_forward(ctx, reduce(_cat(per_token), n_valid, call.reduction))
+            return call.loss_output(ctx, ops, _cat(per_token), n_valid)
 
     @staticmethod
     @first_order_only("linear_cross_entropy")
@@ -739,17 +740,6 @@ def _part(x: torch.Tensor, sl: slice) -> torch.Tensor:
 def _cat(parts: list, dim: int = 0) -> torch.Tensor:
     """``torch.cat`` without the copy kernel for one part (one chunk: the common case)."""
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
-
-
-def _valid_count(t: torch.Tensor, call: Call, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Valid tokens of the call (of the group with sequence parallelism); ``valid``: the mask of
-    this rank's own tokens, if already made. A given divisor (``num_valid_tokens``) instead."""
-    if call.divisor is not None:
-        return call.divisor
-    n = (t != call.spec.ignore_index if valid is None else valid).sum()
-    if call.sequence_parallel:  # mean over the tokens of the whole group
-        comm.all_reduce_sum_(n, call.layout.group)
-    return n
 
 
 compiled.register("linear_cross_entropy", _LinearCrossEntropy,

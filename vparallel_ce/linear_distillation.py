@@ -41,11 +41,11 @@ from . import compiled
 from .call import Call, TopKRows, autocast_off, linear_distillation_call, settles_check
 from .divergence import DistillSpec, token_loss
 from .linear import Grads, Rows, Schedule, logits, matmul_inputs, scale_unit_grads
-from .linear import _cat, _keep, _valid_count  # the CE's per-chunk bookkeeping, the same here
+from .linear import _cat, _keep  # the CE's per-chunk bookkeeping, the same here
 from .options import Options
 from .policy import ChunkPolicy, GradMode, WeightGrad
 from .second_order import first_order_only
-from .stats import compute_dtype, local_targets, reduce, token_weights
+from .stats import compute_dtype, local_targets, token_weights
 from .teacher import DENSE, TopKMath, graph_inputs, in_graph, teacher_of
 from .topk import TAIL_MODES, TopKTeacher
 
@@ -168,20 +168,26 @@ class _Walk:
     def __init__(self, call: Call, target: torch.Tensor, target_given: bool):
         self.call, self.target, self.given = call, target, target_given
         self.rows = Rows(call, call.plan.chunks)
-        # this rank's own tokens that count: without a target all of them (the stand-in target of
-        # zeros may well equal ignore_index)
-        self.valid_local = (target != call.spec.ignore_index if target_given
-                            else torch.ones_like(target, dtype=torch.bool))
+        # without a target every token of this rank counts (the stand-in target of zeros may well
+        # equal ignore_index); with one, each chunk's mask comes from its targets
+        self.all_local = None if target_given else torch.ones_like(target, dtype=torch.bool)
 
-    def chunk(self, c: int, h: torch.Tensor) -> _Chunk:
+    def hidden(self, c: int, h: torch.Tensor) -> torch.Tensor:
+        """Chunk ``c``'s rows of ``h`` (gathered over the group with sequence parallelism)."""
+        return self.rows.gather(c, h)
+
+    def chunk(self, c: int, h_c: torch.Tensor) -> _Chunk:
+        """Chunk ``c`` over its hidden rows ``h_c`` (:meth:`hidden`). Called once the chunk's
+        GEMMs are launched: its target maps are small kernels, which would otherwise hold them
+        back on the host."""
         call, rows = self.call, self.rows
         t_c = rows.gather(c, self.target, fill=call.spec.ignore_index)
         lay = call.layout
         local_t, owned, valid = local_targets(t_c, lay.offset, lay.local_size, call.spec.ignore_index,
                                               all_owned=call.all_owned)
         if not self.given:  # gathered as integers (gloo gathers no bools); padding rows get 0
-            valid = rows.gather(c, self.valid_local.to(t_c.dtype), fill=0) != 0
-        return _Chunk(rows.gather(c, h), local_t, owned, valid)
+            valid = rows.gather(c, self.all_local.to(t_c.dtype), fill=0) != 0
+        return _Chunk(h_c, local_t, owned, valid)
 
 
 @dataclass(frozen=True)
@@ -251,13 +257,16 @@ class _LinearDistillation(torch.autograd.Function):
             source = teacher.prepared(call)
             walk = _Walk(call, target, target_given)
             rows = walk.rows
-            # mean's divisor, before the first chunk: gradients made in forward weigh by it
-            n_valid = _valid_count(target, call, walk.valid_local) if call.reduction == "mean" else None
             grads = _grads(call, rows, h, w, b, hm, wm, need) if in_forward else None
-            per_token, stats = [], []
+            per_token, stats, n_valid = [], [], None
             for c in range(len(rows)):
-                ch = walk.chunk(c, hm)
-                s, t = logits(call, ch.h, wm, bm), source.chunk(call, rows, c)
+                h_c = walk.hidden(c, hm)
+                s, t = logits(call, h_c, wm, bm), source.chunk(call, rows, c)
+                ch = walk.chunk(c, h_c)
+                if c == 0 and call.reduction == "mean":
+                    # the mean's divisor, which gradients made in forward weigh by: made once the
+                    # first GEMMs are queued (at world 1 it launches the target check)
+                    n_valid = call.valid_count(target, walk.all_local, of_target=target_given)
                 st = source.math.statistics(s, t, ch.local_t, ch.owned, spec, call.layout, call.ops(s))
                 per_token.append(_keep(rows, c, token_loss(st, ch.valid, spec), call.reduction))
                 if in_forward:
@@ -272,7 +281,7 @@ class _LinearDistillation(torch.autograd.Function):
             elif any(need):
                 ctx.save_for_backward(h, w, b, target, *teacher.tensors)
                 ctx.teacher, ctx.stats, ctx.n_valid, ctx.target_given = teacher, stats, n_valid, target_given
-            return call.settle_forward(ctx, reduce(_cat(per_token), n_valid, call.reduction))
+            return call.loss_output(ctx, call.ops(wm), _cat(per_token), n_valid)
 
     @staticmethod
     @first_order_only("linear_distillation_loss")
@@ -291,13 +300,14 @@ class _LinearDistillation(torch.autograd.Function):
             grads = _grads(call, rows, h, w, b, hm, wm, ctx.need)
             g_local = grad_out.reshape(-1) if call.reduction == "none" else None
             for c in range(len(rows)):
-                ch = walk.chunk(c, hm)
+                h_c = walk.hidden(c, hm)
+                s, t = logits(call, h_c, wm, bm), source.chunk(call, rows, c)
+                ch = walk.chunk(c, h_c)
                 st = ctx.stats[c]
                 r = token_weights(ch.valid, ctx.n_valid, call.reduction, st.divergence.dtype)
                 g = rows.gather(c, g_local) if g_local is not None else grad_out
                 # an ignored token's weight (exactly 0) stays 0 whatever the upstream gradient, nan included
                 weight = torch.where(r == 0, r, r * g.to(r.dtype))
-                s, t = logits(call, ch.h, wm, bm), source.chunk(call, rows, c)
                 _add_grads(grads, rows, c, ch, s, t, st, weight, spec, wm, source.math)
                 del s, t
             return grads.finish(rows) + nothing

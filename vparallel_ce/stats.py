@@ -167,10 +167,10 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
     e = torch.exp(u)
     sumexp = row_sum(e)
     picked = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-    tgt = torch.where(owned, picked, torch.zeros_like(picked))
+    tgt = torch.where(owned, picked, 0.0)
     total = row_sum(z) if spec.label_smoothing > 0 else torch.zeros_like(m)
     # a -inf logit (a masked vocab entry) has e = 0: its term is 0, not 0 * -inf
-    zexp = row_sum(torch.where(e > 0, e * u, torch.zeros_like(u))) if spec.entropy else None
+    zexp = row_sum(torch.where(e > 0, e * u, 0.0)) if spec.entropy else None
     return ChunkStats(m, sumexp, tgt, total, zexp)
 
 
@@ -195,8 +195,8 @@ def _rescale(sumexp: torch.Tensor, m_from: torch.Tensor, m_to: torch.Tensor) -> 
 def _rescale_zexp(zexp, sumexp, m_from, m_to):
     """``E`` relative to ``m_from`` -> relative to ``m_to``: ``e^{m_from - m_to} (E + (m_from - m_to) S)``."""
     empty = sumexp == 0
-    shifted = zexp + torch.where(empty, torch.zeros_like(m_from), m_from - m_to) * sumexp
-    return torch.where(empty, torch.zeros_like(zexp), shifted * torch.exp(m_from - m_to))
+    shifted = zexp + torch.where(empty, 0.0, m_from - m_to) * sumexp
+    return torch.where(empty, 0.0, shifted * torch.exp(m_from - m_to))
 
 
 def merge(a: ChunkStats, b: ChunkStats) -> ChunkStats:
@@ -243,13 +243,13 @@ def token_loss(st: TokenStats, valid: torch.Tensor, spec: LossSpec) -> torch.Ten
         loss = loss - eps * (st.sum / spec.vocab_size - st.max)
     if spec.z_loss > 0:
         loss = loss + spec.z_loss * st.lse.square()
-    return torch.where(valid, loss, torch.zeros_like(loss))
+    return torch.where(valid, loss, 0.0)
 
 
 def _on_valid(valid: torch.Tensor | None, coef: torch.Tensor) -> torch.Tensor:
     """``coef`` on valid tokens, exactly 0 on ignored ones: an ignored token's statistics may be
     nan (its logits hold a nan, or are all masked) and ``0 * nan`` would put nan in its gradient."""
-    return coef if valid is None else torch.where(valid, coef, torch.zeros_like(coef))
+    return coef if valid is None else torch.where(valid, coef, 0.0)
 
 
 def loss_grad_coefs(m: torch.Tensor, log_s: torch.Tensor, gscale: torch.Tensor, spec: LossSpec,
@@ -295,7 +295,7 @@ def grad_logits(
     if coefs.d is not None:
         d = d - coefs.d.unsqueeze(-1)
     if z.shape[-1] > 0:
-        hit = torch.where(owned, coefs.c, torch.zeros_like(coefs.c))
+        hit = torch.where(owned, coefs.c, 0.0)
         d.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
     if spec.softcap is not None:
         # an exact 0 (every entry of an ignored row) stays 0 where z is nan: not 0 * (1 - nan^2)
@@ -341,10 +341,9 @@ def token_weights(valid: torch.Tensor, n_valid: torch.Tensor | None, reduction: 
     none (``n_valid`` is not read there); exactly 0 on ignored tokens (all ignored: loss 0/0 as
     ``F.cross_entropy``, gradient 0, not nan; a given ``n_valid`` of 0 with valid tokens: inf, the
     derivative of the infinite mean)."""
-    r = valid.to(dtype)
-    if reduction == "mean":
-        r = torch.where(valid, r / n_valid, torch.zeros_like(r))
-    return r
+    if reduction == "mean":  # two launches, where a 0/1 weight divided by the count takes four
+        return torch.where(valid, torch.reciprocal(n_valid.to(dtype)), 0.0)
+    return valid.to(dtype)
 
 
 def unit_loss_coefs(st: TokenStats, valid: torch.Tensor, n_valid: torch.Tensor | None, reduction: str,

@@ -172,7 +172,7 @@ def topk_statistics(s: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, 
     hard_row = len(sums)
     sums += hard_sums(h, m_h, local_t, owned, spec)
     at_ids = b.gather(-1, local) if b.shape[-1] > 0 else torch.zeros(ids.shape, dtype=cdt, device=b.device)
-    at_ids = torch.where(mine, at_ids, torch.zeros_like(at_ids))
+    at_ids = torch.where(mine, at_ids, 0)
     packed = comm.all_reduce_sum_(torch.cat([torch.stack(sums), at_ids.T]), layout.group)
     b_ids = packed[len(sums):].T  # [c, k]: the student's b at every id, on every rank
     log_sb = torch.log(packed[0])
@@ -214,9 +214,9 @@ def topk_grad_student(s: torch.Tensor, ids: torch.Tensor, local_t: torch.Tensor,
     if st.grad_tail is not None:
         b = _scaled(s, T, cdt)
         share = torch.exp(b - finite_shift(st.rest_max).unsqueeze(-1) - st.rest_log_s.unsqueeze(-1))
-        g = torch.where(_off_ids(b, local, mine), share * (st.grad_tail * T).unsqueeze(-1), torch.zeros_like(share))
+        g = torch.where(_off_ids(b, local, mine), share * (st.grad_tail * T).unsqueeze(-1), 0.0)
     else:
         g = torch.zeros(s.shape, dtype=cdt, device=s.device)
     if g.shape[-1] > 0:
-        g.scatter_add_(-1, local, torch.where(mine, st.grad_ids * T, torch.zeros_like(st.grad_ids)))
+        g.scatter_add_(-1, local, torch.where(mine, st.grad_ids * T, 0.0))
     return finish_grad(g, s, None, local_t, owned, st, weight, spec, out_dtype, out)

@@ -66,22 +66,46 @@ class DeferredTargetCheck:
 
     When a backward will follow, the forward does not wait at all (:meth:`poison`): its outputs
     become NaN on the device if an id is bad, so no plausible number ever comes out, and the op's
-    backward settles the check once its own kernels are queued. A host wait in the forward would
+    backward settles the check once its own kernels are queued. :attr:`count`, the valid ids'
+    count that the same launch makes (fp32, NaN if an id is bad), is the mean's divisor: a mean
+    divided by it is NaN already, with no masking pass. A host wait in the forward would
     otherwise leave the GPU idle while the host launches the backward -- with a small microbatch
     behind a model's forward, a third of the loss' time.
 
-    The pinned pair and its event are reused from call to call (one per device, taken out of the
-    pool while a check is pending and put back once it is settled): allocating them is host time
-    spent before the op's first GEMM on every call. A check abandoned unsettled (its forward
-    raised) keeps its pair, so a copy still in flight never lands in a later call's buffer.
+    The launch and its copy happen at the check's first use (:attr:`count`, :attr:`bad`,
+    :meth:`settle`), which the linear ops make after their first GEMM is queued: from an idle GPU,
+    host time before that GEMM is time the GPU waits. The pinned pair and its event are reused
+    from call to call (one per device, taken out of the pool while a check is pending and put back
+    once it is settled), allocating them being host time too. A check abandoned unsettled (its
+    forward raised) keeps its pair, so a copy still in flight never lands in a later call's buffer.
     """
 
     _pool: dict = {}  # (device, dtype) -> (pinned [2], event), free pairs only
 
     def __init__(self, target: torch.Tensor, ignore_index: int, vocab_size: int):
-        span, self.bad = _target_span(target, ignore_index, vocab_size)
         self.vocab_size = vocab_size
-        self.event = self.key = None
+        self.on_device = target.is_cuda
+        self.event = self.key = self.span = None
+        self.settled = False
+        self._target, self._ignore_index = target, ignore_index
+        self._found = None  # (bad, count) once launched
+
+    @property
+    def bad(self) -> torch.Tensor:
+        """0-dim bool on the device: whether a valid id lies outside ``[0, V)``."""
+        return self.launch()[0]
+
+    @property
+    def count(self) -> torch.Tensor:
+        """0-dim fp32 on the device: the valid ids' count, NaN if one lies outside ``[0, V)``."""
+        return self.launch()[1]
+
+    def launch(self) -> tuple:
+        """Launch the check's kernel and its copy to the host, once: ``(bad, count)``."""
+        if self._found is not None:
+            return self._found
+        span, bad, count = _target_span(self._target, self._ignore_index, self.vocab_size)
+        self._found, self._target = (bad, count), None
         if span.is_cuda:
             self.key = (span.device, span.dtype)
             # dict.pop is atomic, so two threads never take the same pair
@@ -91,24 +115,27 @@ class DeferredTargetCheck:
             self.event.record()
         else:
             self.span = span
-        self.settled = False
+        return self._found
 
     @property
     def waits_on_device(self) -> bool:
         """Whether :meth:`settle` has to wait for the device (a CUDA target, not yet settled)."""
-        return self.event is not None and not self.settled
+        return self.on_device and not self.settled
 
-    def poison(self, outputs: tuple) -> tuple:
+    def poison(self, outputs: tuple, *, divided_by: torch.Tensor | None = None) -> tuple:
         """``outputs`` with every element NaN where a valid id lies outside ``[0, V)`` (decided on
-        the device, no host wait); the values themselves otherwise, bit for bit."""
+        the device, no host wait); the values themselves otherwise, bit for bit. One output divided
+        by :attr:`count` (``divided_by``) is NaN there already and comes back as it is."""
+        if divided_by is not None and divided_by is self.count and len(outputs) == 1:
+            return outputs
         return tuple(None if x is None else x.masked_fill(self.bad, float("nan")) for x in outputs)
 
     def settle(self) -> None:
         """Raise :class:`InvalidInputError` if a valid id lies outside ``[0, V)`` (once)."""
         if self.settled:
             return
+        self.launch()
         self.settled = True
-        self.bad = None
         if self.event is not None:
             self.event.synchronize()
         lo, hi = self.span.tolist()
@@ -823,16 +850,20 @@ def word_checksum(words: torch.Tensor) -> torch.Tensor:
     return (v ^ (v >> 15)).sum(dtype=torch.int64)
 
 
-def _target_span(target: torch.Tensor, ignore_index: int, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[lo, hi]`` of :func:`_target_facts` and a 0-dim bool, whether a valid id lies outside
-    ``[0, vocab_size)`` (on the target's device; one launch on a GPU)."""
+def _target_span(target: torch.Tensor, ignore_index: int,
+                 vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[lo, hi]`` of :func:`_target_facts`, a 0-dim bool, whether a valid id lies outside
+    ``[0, vocab_size)``, and the valid ids' count as a 0-dim fp32, NaN if so (on the target's
+    device; one launch on a GPU)."""
     t = target.reshape(-1)
     found = kernels.target_facts(t, ignore_index, vocab_size) if t.numel() else None
     if found is not None:
-        facts, bad = found
-        return facts[:2], bad
+        facts, bad, count = found
+        return facts[:2], bad, count
     lo, hi = _target_facts(t, ignore_index)[:2].unbind()
-    return torch.stack([lo, hi]), (lo < 0) | (hi >= vocab_size)
+    bad = (lo < 0) | (hi >= vocab_size)
+    count = (t != ignore_index).sum().to(torch.float32).masked_fill(bad, float("nan"))
+    return torch.stack([lo, hi]), bad, count
 
 
 _REPLICATION_CHECKED = contextvars.ContextVar("vparallel_ce_replication_checked", default=True)

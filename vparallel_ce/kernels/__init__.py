@@ -193,7 +193,8 @@ class KernelBackend:
     it can do as fields. ``grad_logits_``: the gradient written over logits the op owns (None:
     out of place); ``fused``: the lm_head GEMM fused with the row passes (None: cuBLAS + them);
     ``distill``: the distillation ops' local passes over a dense teacher's and the student's logits
-    (:class:`vparallel_ce.divergence.DistillSteps`)."""
+    (:class:`vparallel_ce.divergence.DistillSteps`); ``reduce``: the per-token losses to the
+    call's output (:func:`vparallel_ce.stats.reduce`)."""
 
     name: str
     local_stats: Callable
@@ -203,6 +204,7 @@ class KernelBackend:
     grad_logits_: Callable | None = None
     fused: FusedLinear | None = None
     distill: DistillSteps = TORCH_STEPS
+    reduce: Callable = stats.reduce
 
 
 TORCH_OPS = KernelBackend("torch", stats.local_stats, stats.grad_logits, stats.loss_stats_grad_, stats.scale_rows)

@@ -6,7 +6,9 @@ ids count as 0): every valid id lies in ``[0, V)`` exactly when ``lo >= 0`` and 
 out-of-range id, if any, is ``lo`` (when negative) or ``hi``. ``checksum`` is what the ranks of a group
 compare: a sum over positions of a mix of (position, id) (:func:`vparallel_ce.validate.target_checksum`,
 whose torch version this kernel reproduces bit for bit), exact in any order since integer sums
-wrap, and changed by any permutation or shift of the ids. The torch version of the check is
+wrap, and changed by any permutation or shift of the ids. Given the vocab size, the same launch
+writes whether an id is out of range and the valid ids' count, the ``"mean"``'s divisor (NaN on a
+bad id, so a mean divided by it needs no masking pass). The torch version of the check is
 several small kernels; at world 1 they run before the op's first GEMM on every call, where a host
 that spends ~40 us per launched op leaves the GPU idle for each of them. One program walks the
 whole target vector (8 KiB per 1024 tokens), so the GPU time is a few microseconds at training sizes.
@@ -34,10 +36,11 @@ BLOCK = 2048
 
 
 @triton.jit
-def _facts_kernel(T, N, ignore_index, vocab_size, OUT, BAD, BLOCK: tl.constexpr, FLAG: tl.constexpr):
+def _facts_kernel(T, N, ignore_index, vocab_size, OUT, BAD, COUNT, BLOCK: tl.constexpr, FLAG: tl.constexpr):
     lo = tl.zeros([BLOCK], dtype=tl.int64)  # 0 is in range: it stands for ignored ids and the tail
     hi = tl.zeros([BLOCK], dtype=tl.int64)
     acc = tl.zeros([BLOCK], dtype=tl.int64)
+    valid = tl.zeros([BLOCK], dtype=tl.int64)
     for start in range(0, N, BLOCK):
         idx = start + tl.arange(0, BLOCK)
         live = idx < N
@@ -46,6 +49,7 @@ def _facts_kernel(T, N, ignore_index, vocab_size, OUT, BAD, BLOCK: tl.constexpr,
         mix = mix ^ (mix >> 32)
         mix = mix * _K3
         acc += tl.where(live, mix ^ (mix >> 29), 0)
+        valid += (live & (t != ignore_index)).to(tl.int64)
         t = tl.where(t == ignore_index, 0, t)
         lo = tl.minimum(lo, t)
         hi = tl.maximum(hi, t)
@@ -55,22 +59,29 @@ def _facts_kernel(T, N, ignore_index, vocab_size, OUT, BAD, BLOCK: tl.constexpr,
     vals = tl.where(slot == 0, least, tl.where(slot == 1, most, tl.sum(acc, axis=0)))
     tl.store(OUT + slot, vals, mask=slot < 3)
     if FLAG:
-        tl.store(BAD + slot, tl.where(slot == 0, (least < 0) | (most >= vocab_size), False), mask=slot < 1)
+        bad = (least < 0) | (most >= vocab_size)
+        tl.store(BAD + slot, tl.where(slot == 0, bad, False), mask=slot < 1)
+        # the valid count as the mean's fp32 divisor, NaN where an id is out of range
+        count = tl.where(bad, float("nan"), tl.sum(valid, axis=0).to(tl.float32))
+        tl.store(COUNT + slot, tl.where(slot == 0, count, 0.0), mask=slot < 1)
 
 
 def target_facts(target: torch.Tensor, ignore_index: int, vocab_size: int | None = None):
     """``[lo, hi, checksum]`` (int64, on ``target``'s device) of ``target``, in one launch; with
-    ``vocab_size``, ``(facts, bad)``: ``bad`` a 0-dim bool on the device, whether a valid id lies
-    outside ``[0, vocab_size)`` (what a device-side guard masks with, no further launch)."""
+    ``vocab_size``, ``(facts, bad, count)``: ``bad`` a 0-dim bool on the device, whether a valid id
+    lies outside ``[0, vocab_size)`` (what a device-side guard masks with, no further launch), and
+    ``count`` the number of valid ids as a 0-dim fp32, NaN where ``bad`` (a mean divided by it
+    comes out NaN on a bad id with no masking pass)."""
     t = target.reshape(-1)
     if not t.is_contiguous():
         t = t.contiguous()
     out = torch.empty(3, dtype=torch.int64, device=t.device)
     flag = vocab_size is not None
     bad = torch.empty(1, dtype=torch.bool, device=t.device) if flag else out
-    _facts_kernel[(1,)](t, t.numel(), ignore_index, vocab_size if flag else 0, out, bad, BLOCK=BLOCK, FLAG=flag,
-                        num_warps=8)
-    return (out, bad[0]) if flag else out
+    count = torch.empty(1, dtype=torch.float32, device=t.device) if flag else out
+    _facts_kernel[(1,)](t, t.numel(), ignore_index, vocab_size if flag else 0, out, bad, count, BLOCK=BLOCK,
+                        FLAG=flag, num_warps=8)
+    return (out, bad[0], count[0]) if flag else out
 
 
 # 2048 int32 words per tile, 4 tiles (32 KiB) per program, 4 warps: the fastest of a sweep on an

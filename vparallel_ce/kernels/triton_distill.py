@@ -276,7 +276,7 @@ def grad(s: torch.Tensor, t: torch.Tensor, local_t: torch.Tensor, owned: torch.T
     inner = t_max if st.inner is None else _f32(st.inner)  # dummy pointers where a kind has none
     h_max = t_max if st.hard_max is None else _f32(st.hard_max)
     h_log = t_max if st.hard_log_s is None else _f32(st.hard_log_s)
-    tgt = torch.where(owned, local_t, torch.full_like(local_t, -1)).to(torch.int64).contiguous()
+    tgt = torch.where(owned, local_t, -1).to(torch.int64).contiguous()
     temp = float(spec.temperature)
     block, warps = _block(width, 1024)
     _grad_kernel[(c,)](s, s.stride(0), t, t.stride(0), out, out.stride(0), t_max, _f32(st.t_log_s), _f32(st.s_max),
