@@ -332,6 +332,12 @@ _TARGET_FACTS_CHECKS = textwrap.dedent(
                     assert count.isnan(), (n, ignore, bad, vocab, count)
                 else:
                     assert count.item() == int((u != ignore).sum()), (n, ignore, bad, vocab, count)
+            # written straight into a given buffer (on a GPU, pinned host memory: no copy after it)
+            host = torch.empty(3, dtype=torch.int64, pin_memory=device == "cuda")
+            written = target_facts(u.to(device), ignore, 50, out=host)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            assert written[0] is host and host.tolist() == expected, (n, ignore, bad, host)
             if bad != 1 << 40:
                 assert target_facts(u.to(device, torch.int32), ignore).tolist() == expected, (n, bad, "int32")
         if n >= 3 and len(set(t[:3].tolist())) == 3:  # a 3-cycle of the first ids changes the checksum

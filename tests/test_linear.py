@@ -267,23 +267,23 @@ def test_check_false_with_vocab_size():
     assert max(run_ranks(unchecked_rank, 3)) < 1e-12
 
 
+class _Launches(TorchDispatchMode):
+    """The ATen ops an op dispatches, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def count_matmuls(fn):
     """Matrix products run by ``fn()`` (forward and backward), counted at the dispatcher."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    names = {"mm", "addmm", "addmm_", "bmm", "baddbmm"}
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.overloadpacket.__name__ in names:
-                Count.n += 1
-            return func(*args, **(kwargs or {}))
-
-    with Count():
+    with _Launches() as seen:
         fn()
-    return Count.n
+    return sum(name in ("mm", "addmm", "addmm_", "bmm", "baddbmm") for name in seen.ops)
 
 
 @pytest.mark.parametrize("chunks,matmuls", [(1, 3), (4, 12)])
@@ -629,18 +629,6 @@ def test_a_memory_target_on_a_group_runs_vocab_blocks_that_match_the_reference()
     for (plan, *errs) in run_ranks(_memory_target_rank, 2):
         assert plan == ("vocab", 2), plan
         assert max(errs) < 1e-12, errs
-
-
-class _Launches(TorchDispatchMode):
-    """The ATen ops an op dispatches, in order."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 # ops that launch no kernel: views and allocations

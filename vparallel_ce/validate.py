@@ -58,9 +58,10 @@ class DeferredTargetCheck:
 
     A host read of the ``[min, max]`` valid id (:func:`_target_span`) right away would wait for
     every kernel queued before the loss -- in a training step, the model's whole forward -- and
-    leave the GPU idle while the host then launches the loss. Instead the span is copied behind
-    those kernels (non-blocking, into pinned memory on CUDA) and :meth:`settle` waits for that copy
-    alone, once the op's forward has queued its own kernels. Until then the kernels see ids
+    leave the GPU idle while the host then launches the loss. Instead the span's kernel, queued behind
+    those kernels, writes it into pinned host memory (on CUDA; the torch version copies it there,
+    non-blocking) and :meth:`settle` waits for that alone, once the op's forward has queued its
+    own kernels. Until then the kernels see ids
     clamped into the shard (:func:`vparallel_ce.stats.local_targets`), so a bad id reads nothing out
     of bounds, and the error still comes before the op returns a value.
 
@@ -80,7 +81,7 @@ class DeferredTargetCheck:
     forward raised) keeps its pair, so a copy still in flight never lands in a later call's buffer.
     """
 
-    _pool: dict = {}  # (device, dtype) -> (pinned [2], event), free pairs only
+    _pool: dict = {}  # device -> (pinned int64 [3], event), free pairs only
 
     def __init__(self, target: torch.Tensor, ignore_index: int, vocab_size: int):
         self.vocab_size = vocab_size
@@ -101,20 +102,23 @@ class DeferredTargetCheck:
         return self.launch()[1]
 
     def launch(self) -> tuple:
-        """Launch the check's kernel and its copy to the host, once: ``(bad, count)``."""
+        """Launch the check's kernel, which writes the span into pinned host memory (or, for the
+        torch version, its copy there), once: ``(bad, count)``."""
         if self._found is not None:
             return self._found
-        span, bad, count = _target_span(self._target, self._ignore_index, self.vocab_size)
-        self._found, self._target = (bad, count), None
-        if span.is_cuda:
-            self.key = (span.device, span.dtype)
+        target, self._target = self._target, None
+        if not target.is_cuda:
+            self.span, bad, count = _target_span(target, self._ignore_index, self.vocab_size)
+        else:
+            self.key = target.device
             # dict.pop is atomic, so two threads never take the same pair
             self.span, self.event = self._pool.pop(self.key, None) or (
-                torch.empty(2, dtype=span.dtype, pin_memory=True), torch.cuda.Event())
-            self.span.copy_(span, non_blocking=True)
+                torch.empty(3, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            span, bad, count = _target_span(target, self._ignore_index, self.vocab_size, host=self.span)
+            if span.is_cuda:  # the torch version: copied behind its kernels
+                self.span[:2].copy_(span, non_blocking=True)
             self.event.record()
-        else:
-            self.span = span
+        self._found = (bad, count)
         return self._found
 
     @property
@@ -138,7 +142,7 @@ class DeferredTargetCheck:
         self.settled = True
         if self.event is not None:
             self.event.synchronize()
-        lo, hi = self.span.tolist()
+        lo, hi = self.span[:2].tolist()
         if self.event is not None:  # the copy has landed and been read: the pair is free again
             self._pool[self.key] = (self.span, self.event)
         _check_targets([[lo, hi]], self.vocab_size)
@@ -850,13 +854,14 @@ def word_checksum(words: torch.Tensor) -> torch.Tensor:
     return (v ^ (v >> 15)).sum(dtype=torch.int64)
 
 
-def _target_span(target: torch.Tensor, ignore_index: int,
-                 vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _target_span(target: torch.Tensor, ignore_index: int, vocab_size: int,
+                 host: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[lo, hi]`` of :func:`_target_facts`, a 0-dim bool, whether a valid id lies outside
     ``[0, vocab_size)``, and the valid ids' count as a 0-dim fp32, NaN if so (on the target's
-    device; one launch on a GPU)."""
+    device; one launch on a GPU, which writes the span into ``host``, a pinned int64 ``[3]``, where
+    given: then the returned span is ``host[:2]``)."""
     t = target.reshape(-1)
-    found = kernels.target_facts(t, ignore_index, vocab_size) if t.numel() else None
+    found = kernels.target_facts(t, ignore_index, vocab_size, out=host) if t.numel() else None
     if found is not None:
         facts, bad, count = found
         return facts[:2], bad, count

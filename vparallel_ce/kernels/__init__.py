@@ -302,7 +302,7 @@ def fused_applies(device, dtype, *, entropy: bool = False, temperature: float = 
             and fl._capability(device) >= (8, 0))
 
 
-def target_facts(target, ignore_index: int, vocab_size: int | None = None):
+def target_facts(target, ignore_index: int, vocab_size: int | None = None, *, out=None):
     """The Triton version of the front door's target span and checksum (:mod:`.targets`: one
     launch instead of six; with ``vocab_size`` also the out-of-range flag) for integer CUDA
     targets, or None where it does not apply (CPU, no Triton, the ``torch`` choice): the caller
@@ -312,7 +312,7 @@ def target_facts(target, ignore_index: int, vocab_size: int | None = None):
     if not (target.is_cuda or _INTERPRETING) or is_fake(target):
         return None
     modules = _modules()
-    return None if modules is None else modules[2].target_facts(target, ignore_index, vocab_size)
+    return None if modules is None else modules[2].target_facts(target, ignore_index, vocab_size, out=out)
 
 
 def word_checksum(words):

@@ -66,16 +66,19 @@ def _facts_kernel(T, N, ignore_index, vocab_size, OUT, BAD, COUNT, BLOCK: tl.con
         tl.store(COUNT + slot, tl.where(slot == 0, count, 0.0), mask=slot < 1)
 
 
-def target_facts(target: torch.Tensor, ignore_index: int, vocab_size: int | None = None):
+def target_facts(target: torch.Tensor, ignore_index: int, vocab_size: int | None = None, *,
+                 out: torch.Tensor | None = None):
     """``[lo, hi, checksum]`` (int64, on ``target``'s device) of ``target``, in one launch; with
     ``vocab_size``, ``(facts, bad, count)``: ``bad`` a 0-dim bool on the device, whether a valid id
     lies outside ``[0, vocab_size)`` (what a device-side guard masks with, no further launch), and
     ``count`` the number of valid ids as a 0-dim fp32, NaN where ``bad`` (a mean divided by it
-    comes out NaN on a bad id with no masking pass)."""
+    comes out NaN on a bad id with no masking pass). ``out``: an int64 ``[3]`` the facts are written
+    into instead -- pinned host memory, which the kernel writes across the bus with no copy
+    launched after it."""
     t = target.reshape(-1)
     if not t.is_contiguous():
         t = t.contiguous()
-    out = torch.empty(3, dtype=torch.int64, device=t.device)
+    out = torch.empty(3, dtype=torch.int64, device=t.device) if out is None else out
     flag = vocab_size is not None
     bad = torch.empty(1, dtype=torch.bool, device=t.device) if flag else out
     count = torch.empty(1, dtype=torch.float32, device=t.device) if flag else out
