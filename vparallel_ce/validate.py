@@ -58,12 +58,12 @@ class DeferredTargetCheck:
 
     A host read of the ``[min, max]`` valid id (:func:`_target_span`) right away would wait for
     every kernel queued before the loss -- in a training step, the model's whole forward -- and
-    leave the GPU idle while the host then launches the loss. Instead the span's kernel, queued behind
-    those kernels, writes it into pinned host memory (on CUDA; the torch version copies it there,
-    non-blocking) and :meth:`settle` waits for that alone, once the op's forward has queued its
-    own kernels. Until then the kernels see ids
-    clamped into the shard (:func:`vparallel_ce.stats.local_targets`), so a bad id reads nothing out
-    of bounds, and the error still comes before the op returns a value.
+    leave the GPU idle while the host then launches the loss. Instead the span's kernel, queued
+    behind those kernels, writes it into pinned host memory (on CUDA; the torch version copies it
+    there, non-blocking) and :meth:`settle` waits for that alone, once the op's forward has queued
+    its own kernels. Until then the kernels see ids clamped into the shard
+    (:func:`vparallel_ce.stats.local_targets`), so a bad id reads nothing out of bounds, and the
+    error still comes before the op returns a value.
 
     When a backward will follow, the forward does not wait at all (:meth:`poison`): its outputs
     become NaN on the device if an id is bad, so no plausible number ever comes out, and the op's
