@@ -818,10 +818,20 @@ def _target_facts(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     found = kernels.target_facts(t, ignore_index)  # one launch on a GPU
     if found is not None:
         return found
+    lo, hi, _ = _torch_span(t, ignore_index)
+    return torch.stack([lo, hi, target_checksum(t.to(torch.int64))])
+
+
+def _torch_span(t: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The torch version of the span of a 1-D target: ``lo, hi`` (0-dim int64) as in
+    :func:`_target_facts`, and the mask of its ignored ids."""
     t = t.to(torch.int64)
-    # ignored ids count as 0, which is in range
-    lo, hi = torch.aminmax(t.masked_fill(t == ignore_index, 0))
-    return torch.stack([lo, hi, target_checksum(t)])
+    ignored = t == ignore_index
+    if t.numel() == 0:
+        zero = torch.zeros((), dtype=torch.int64, device=t.device)
+        return zero, zero, ignored
+    lo, hi = torch.aminmax(t.masked_fill(ignored, 0))  # ignored ids count as 0, which is in range
+    return lo, hi, ignored
 
 
 # odd multipliers (splitmix64's and murmur3's), as signed ints: the mixes of target_checksum and
@@ -865,9 +875,9 @@ def _target_span(target: torch.Tensor, ignore_index: int, vocab_size: int,
     if found is not None:
         facts, bad, count = found
         return facts[:2], bad, count
-    lo, hi = _target_facts(t, ignore_index)[:2].unbind()
+    lo, hi, ignored = _torch_span(t, ignore_index)  # (no checksum: at world 1 nothing compares it)
     bad = (lo < 0) | (hi >= vocab_size)
-    count = (t != ignore_index).sum().to(torch.float32).masked_fill(bad, float("nan"))
+    count = (~ignored).sum().to(torch.float32).masked_fill(bad, float("nan"))
     return torch.stack([lo, hi]), bad, count
 
 

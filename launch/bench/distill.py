@@ -42,7 +42,7 @@ import traceback
 import torch
 
 import vparallel_ce
-from launch.bench.timing import peak_of, timed_in_rounds
+from launch.bench.timing import clear_grads, peak_of, timed_in_rounds
 
 # Llama3-8B student (H=4096) with a Llama3-70B-width teacher (H=8192); full vocab and its TP=8 shard
 SHAPES = {"llama3_8b_70b": (8192, 4096, 8192, 128256), "llama3_8b_70b_tp8": (8192, 4096, 8192, 16032)}
@@ -164,9 +164,6 @@ def bench_shape(tag, shape, args, device, emit):
         except Exception as e:  # noqa: BLE001 -- recorded, the other methods go on
             records[name].update(error=_error(e))
 
-    def clean():
-        hs.grad = ws.grad = None
-
     def once(fn):
         loss = fn(hs, ws, ht, wt, tgt)
         loss.backward()
@@ -174,10 +171,10 @@ def bench_shape(tag, shape, args, device, emit):
 
     # every method once per round, in turn: the GPU's clock drift falls on all of them alike
     steps = {name: (lambda f: lambda: once(f))(fn) for name, fn in fns.items()}
-    timings = timed_in_rounds(steps, device, args.repeats, args.warmup, setup=clean)
+    timings = timed_in_rounds(steps, (hs, ws), device, args.repeats, args.warmup)
     behind = {}
     if args.ahead_ms and device.type == "cuda":  # the training-step case: see timing.timed
-        behind = timed_in_rounds(steps, device, args.repeats, 0, setup=clean, ahead_ms=args.ahead_ms)
+        behind = timed_in_rounds(steps, (hs, ws), device, args.repeats, 0, ahead_ms=args.ahead_ms)
     for name, got in timings.items():
         rec = records[name]
         try:
@@ -197,7 +194,7 @@ def bench_shape(tag, shape, args, device, emit):
             rec.update(error=_error(e))
             if args.verbose:
                 traceback.print_exception(e)
-        clean()
+        clear_grads((hs, ws))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     for rec in records.values():

@@ -291,12 +291,7 @@ def _behind_in_rounds(fns: dict, h, w, t, args, device) -> dict:
     (:func:`launch.bench.timing.timed_in_rounds`): at small shapes a few percent decide the
     comparison, more than the GPU's clock drifts between one method's run and the next one's."""
     steps = {name: (lambda f: lambda: run_once(f, h, w, t))(fn) for name, fn in fns.items()}
-
-    def clean():
-        h.grad = w.grad = None
-
-    out = timed_in_rounds(steps, device, args.repeats, args.warmup, setup=clean, ahead_ms=args.ahead_ms)
-    clean()
+    out = timed_in_rounds(steps, (h, w), device, args.repeats, args.warmup, ahead_ms=args.ahead_ms)
     _LOGITS.clear()
     return out
 

@@ -202,12 +202,8 @@ def bench_shape(tag, shape, args, device, dtype, emit):
     records = []
     steps = {name: (lambda f: lambda: run_once(f, h, w, t, adv, args.temperature, args.chunks))(FNS[name])
              for name in args.methods}
-
-    def clean():
-        h.grad = w.grad = None
-
     # every method once per round, in turn: the GPU's clock drift falls on all of them alike
-    timings = timed_in_rounds(steps, device, args.repeats, args.warmup, setup=clean)
+    timings = timed_in_rounds(steps, (h, w), device, args.repeats, args.warmup)
     for name in args.methods:
         rec = dict(shape=tag, N=n, H=hdim, V=v, method=name, dtype=str(dtype).replace("torch.", ""),
                    temperature=args.temperature, chunks=args.chunks, device=device.type)

@@ -82,31 +82,28 @@ def time_and_peak(step, params, *, repeats: int, warmup: int, device, ahead_ms: 
     state for the peak memory over what was allocated before it (GiB, CUDA only). Returns
     ``(ms, peak, that call's result)``. ``params``: the tensors whose ``.grad`` is cleared before
     each call."""
-    def clean():
-        for p in params:
-            p.grad = None
-
     for _ in range(warmup):
-        clean()
+        clear_grads(params)
         step()
     sync(device)
-    ms = timed(step, device, repeats, warmup=0, setup=clean, ahead_ms=ahead_ms)
+    ms = timed(step, device, repeats, warmup=0, setup=lambda: clear_grads(params), ahead_ms=ahead_ms)
     peak, result = peak_of(step, params, device)
     return ms, peak, result
 
 
-def timed_in_rounds(steps: dict, device, repeats: int, warmup: int, *, setup=None, ahead_ms: float = 0.0) -> dict:
+def timed_in_rounds(steps: dict, params, device, repeats: int, warmup: int, *, ahead_ms: float = 0.0) -> dict:
     """Median ms of each of ``steps`` (name -> call), measured in ``repeats`` rounds that call every
     step once, in turn, after ``warmup`` calls of each: the GPU's clock, which falls as it heats
     under sustained GEMMs (by up to 10% on an H100 within a minute), then weighs on every method
-    alike instead of on whichever runs last. A step that raises is dropped; its name maps to the
-    exception."""
+    alike instead of on whichever runs last. ``params``: as in :func:`time_and_peak` (their
+    ``.grad`` cleared before each call, and once more at the end). A step that raises is dropped;
+    its name maps to the exception."""
+    setup = lambda: clear_grads(params)  # noqa: E731
     out, live = {}, dict(steps)
     for name, fn in list(live.items()):
         try:
             for _ in range(warmup):
-                if setup is not None:
-                    setup()
+                setup()
                 fn()
         except Exception as e:  # noqa: BLE001 -- an OOM or a missing op: recorded, the rest go on
             out[name] = e
@@ -121,14 +118,20 @@ def timed_in_rounds(steps: dict, device, repeats: int, warmup: int, *, setup=Non
                 del live[name]
     for name in live:
         out[name] = statistics.median(times[name])
+    clear_grads(params)
     return out
+
+
+def clear_grads(params) -> None:
+    """``.grad = None`` on each of ``params``: a clean state for the next forward+backward."""
+    for p in params:
+        p.grad = None
 
 
 def peak_of(step, params, device):
     """``(peak GiB, result)`` of one call of ``step`` from a clean state: the peak memory allocated
     over what was allocated before it (nan off CUDA); ``params``' ``.grad`` cleared first."""
-    for p in params:
-        p.grad = None
+    clear_grads(params)
     peak = float("nan")
     if device.type == "cuda":
         torch.cuda.synchronize()
