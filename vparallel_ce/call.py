@@ -36,8 +36,9 @@ from .options import Options
 from .topk import TailMode, TopKTeacher
 from .validate import (
     DeferredTargetCheck, Facts, Problem, agree, check_call_options, check_linear, check_linear_teacher, check_logits,
-    check_teacher, check_topk_teacher, check_topk_values, hidden_checksum, replication_checked,
+    check_teacher, check_topk_teacher, check_topk_values, deferred_check, hidden_checksum, replication_checked,
 )
+from .verdicts import VERDICTS, tensor_metadata
 
 __all__ = ["Call", "LogitsInputs", "LinearInputs", "TeacherInputs", "TopKRows", "logits_call", "distillation_call",
            "linear_call", "linear_distillation_call", "autocast_dtype", "autocast_off", "is_dtensor", "local",
@@ -95,6 +96,19 @@ class Call:
     def tile(self) -> int:
         """Token chunks are whole tiles of this many rows (1: any rows)."""
         return invariant.TILE_ROWS if self.batch_invariant else 1
+
+    def again(self, options: Options, target: torch.Tensor) -> "Call":
+        """This world-1 call's verdict for another call of the same metadata
+        (:mod:`vparallel_ce.verdicts`), with that call's own per-call parts: the divisor of its
+        ``num_valid_tokens`` and the check of its ``target``."""
+        # (vars: dataclasses.replace re-reads every field's definition, host time before the GEMM)
+        return Call(**(vars(self) | {"divisor": _divisor(options, target.device),
+                                     "pending": deferred_check(target, options, self.layout.vocab_size)}))
+
+    @property
+    def verdict(self) -> "Call":
+        """This call without its per-call parts (what :meth:`again` gives them back to)."""
+        return replace(self, divisor=None, pending=None)
 
     def settle(self) -> None:
         """Raise the deferred target check's error, if any."""
@@ -173,16 +187,25 @@ class TeacherInputs:
 
 
 def logits_call(logits, target, *, op: str, group, options: Options, more_checks=None,
-                target_given: bool = True, teacher=None, distillation: DistillShape | None = None
-                ) -> tuple[Call, LogitsInputs]:
+                target_given: bool = True, teacher=None, distillation: DistillShape | None = None,
+                memo: tuple | None = ()) -> tuple[Call, LogitsInputs]:
     """The front door of ops over vocab-sharded logits ``[..., V_local]``. ``op``: the op's name
     (:data:`~vparallel_ce.validate.OPS`); ``options``: what the op was given; ``more_checks``: the
     op's own checks of its other inputs, given the local logits (a Problem or None);
     ``target_given``: False where ``target`` is a stand-in (:func:`distillation_call`);
     ``teacher``: the distillation's teacher (its logits or a
     :class:`~vparallel_ce.topk.TopKTeacher`), whose facts the ranks agree on; ``distillation``: the
-    distillation memory model's shape for the plan (None: the CE's)."""
+    distillation memory model's shape for the plan (None: the CE's); ``memo``: at world 1, what
+    ``more_checks`` reads as metadata (:func:`~vparallel_ce.verdicts.tensor_metadata`), with which
+    the call's verdict is remembered for the next call of the same metadata
+    (:mod:`vparallel_ce.verdicts`); None: nothing is remembered."""
     o = options
+    key = None if group is not None or memo is None else VERDICTS.key(
+        op, o, (logits, target), (memo, target_given, distillation))
+    known = VERDICTS.get(key)
+    if known is not None:
+        n = target.numel()
+        return known.again(o, target), LogitsInputs(_rows(logits, n, logits.shape[-1]), _flat(target), target.shape)
     logits, target, group, vocab_size = _unwrap_logits(logits, target, group, o.vocab_size)
     group = comm.resolve_group(group)
     problem = check_call_options(o) or check_logits(logits, target) or (more_checks and more_checks(logits))
@@ -198,6 +221,8 @@ def logits_call(logits, target, *, op: str, group, options: Options, more_checks
                                                       chunks=o.chunks, distillation=distillation)
     call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, counts=(n,), divisor=_divisor(o, logits.device),
                 pending=agreed.pending, batch_invariant=o.batch_invariant)
+    if key is not None:
+        VERDICTS.remember(key, call.verdict)
     return call, LogitsInputs(_rows(logits, n, lay.local_size), _flat(target), target.shape)
 
 
@@ -234,8 +259,9 @@ def distillation_call(student, teacher, target, *, group, options: Options
         check = check_topk_teacher if sparse else check_teacher
         return check(logits, teacher, target_given=given, hard_weight=options.hard_weight)
 
+    memo = _topk_memo(teacher, teacher.ids, teacher.logprobs) if sparse else tensor_metadata(teacher)
     call, inp = logits_call(student, target, op="distillation_loss", group=group, options=options,
-                            more_checks=more_checks, target_given=given, teacher=teacher,
+                            more_checks=more_checks, target_given=given, teacher=teacher, memo=memo,
                             distillation=_distill_shape(options, (local(student),) + (() if sparse else (teacher,)),
                                                         dense=not sparse))
     if not sparse:
@@ -259,7 +285,8 @@ def _topk_rows(teacher: TopKTeacher, call: Call, target: torch.Tensor, options: 
 
 def linear_call(hidden, weight, target, bias, *, op: str, group, options: Options, more_checks=None,
                 target_given: bool = True, also_replicated=(), prefix: str = "", teacher=None,
-                distillation: Callable[[torch.Tensor, int], DistillShape] | None = None) -> tuple[Call, LinearInputs]:
+                distillation: Callable[[torch.Tensor, int], DistillShape] | None = None,
+                memo: tuple | None = ()) -> tuple[Call, LinearInputs]:
     """The front door of ops over hidden states and this rank's lm_head shard ``[V_local, H]``
     (arguments as in :func:`logits_call`; ``more_checks`` is given the local hidden, weight and the
     enclosing autocast dtype). ``also_replicated``: more local ``[..., H']`` tensors that must be
@@ -268,8 +295,18 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
     (:class:`~vparallel_ce.topk.TopKTeacher`), whose facts the ranks agree on; ``distillation``:
     the distillation memory model's shape for the plan, made from the checked local weight and the
     bytes per element of a logits' gradient the op can keep (the matmul dtype's; 0 with sequence
-    parallelism or a bias) (None: the CE's plan)."""
+    parallelism or a bias) (None: the CE's plan); ``memo``: as in :func:`logits_call`, the
+    metadata of ``also_replicated`` and ``teacher`` too."""
     o = options
+    key = None
+    if group is None and memo is not None and isinstance(weight, torch.Tensor):
+        key = VERDICTS.key(op, o, (hidden, weight, target, bias),
+                           (memo, autocast_dtype(weight.device), target_given, prefix))
+    known = VERDICTS.get(key)
+    if known is not None:
+        n = target.numel()
+        return known.again(o, target), LinearInputs(_rows(hidden, n, weight.shape[-1]), weight, bias, _flat(target),
+                                                    target.shape)
     hidden, weight, target, bias, group, dt_vocab = _unwrap_linear(hidden, weight, target, bias, group,
                                                                    o.sequence_parallel)
     vocab_size = o.vocab_size if dt_vocab is None else dt_vocab
@@ -323,6 +360,8 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
                                weight, 0 if sp or bias is not None else matmul.itemsize))
     call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, sp, counts, matmul, logits, chosen,
                 _divisor(o, weight.device), pending, o.batch_invariant)
+    if key is not None:
+        VERDICTS.remember(key, call.verdict)
     inputs = LinearInputs(_rows(hidden, n, weight.shape[-1]), weight, bias, _flat(target), target.shape)
     return call, inputs
 
@@ -372,13 +411,19 @@ def linear_distillation_call(student_hidden, student_weight, teacher_hidden, tea
             return check_topk_teacher(hidden, teacher, target_given=given, hard_weight=options.hard_weight,
                                       student_name="student_hidden")
 
+        memo = _topk_memo(teacher, teacher.ids, teacher.logprobs, teacher_weight, teacher_bias)
         call, inp = linear_call(student_hidden, student_weight, target, student_bias, op="linear_distillation_loss",
                                 group=group, options=options, more_checks=more_checks, target_given=given,
-                                prefix="student_", teacher=teacher,
+                                prefix="student_", teacher=teacher, memo=memo,
                                 distillation=lambda weight, grad_bytes: _distill_shape(
                                     options, (weight,), (weight.shape[-1], 0), dense=False, grad_bytes=grad_bytes))
         return call, inp, _topk_rows(teacher, call, inp.target, options, given)
-    t_hidden, t_weight, _, t_bias, _, _ = _unwrap_linear(teacher_hidden, teacher_weight, None, teacher_bias, None, sp)
+    memo = tensor_metadata(teacher_hidden, teacher_weight, teacher_bias)
+    if memo is None:  # (plain tensors unwrap to themselves)
+        t_hidden, t_weight, _, t_bias, _, _ = _unwrap_linear(teacher_hidden, teacher_weight, None, teacher_bias, None,
+                                                             sp)
+    else:
+        t_hidden, t_weight, t_bias = teacher_hidden, teacher_weight, teacher_bias
 
     def more_checks(hidden, weight, amp):
         return check_linear_teacher(hidden, weight, t_hidden, t_weight, t_bias, autocast_dtype=amp, target_given=given,
@@ -387,9 +432,16 @@ def linear_distillation_call(student_hidden, student_weight, teacher_hidden, tea
     call, inp = linear_call(student_hidden, student_weight, target, student_bias, op="linear_distillation_loss",
                             group=group, options=options, more_checks=more_checks, target_given=given,
                             also_replicated=(t_hidden,), prefix="student_",
+                            memo=memo,
                             distillation=lambda weight, grad_bytes: _distill_shape(
                                 options, (weight,), (weight.shape[-1], t_weight.shape[-1]), grad_bytes=grad_bytes))
     return call, inp, TeacherInputs(_rows(t_hidden, inp.target.numel(), t_weight.shape[-1]), t_weight, t_bias)
+
+
+def _topk_memo(teacher: TopKTeacher, *tensors) -> tuple | None:
+    """The front door's memo of a sparse teacher: its ``tensors``' metadata and its tail mode."""
+    meta = tensor_metadata(*tensors)
+    return None if meta is None else (meta, type(teacher.tail), teacher.tail)
 
 
 def _stand_in_target(student):

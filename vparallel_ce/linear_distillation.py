@@ -257,11 +257,12 @@ class _LinearDistillation(torch.autograd.Function):
             source = teacher.prepared(call)
             walk = _Walk(call, target, target_given)
             rows = walk.rows
-            grads = _grads(call, rows, h, w, b, hm, wm, need) if in_forward else None
-            per_token, stats, n_valid = [], [], None
+            grads, per_token, stats, n_valid = None, [], [], None
             for c in range(len(rows)):
                 h_c = walk.hidden(c, hm)
                 s, t = logits(call, h_c, wm, bm), source.chunk(call, rows, c)
+                if in_forward and grads is None:  # its buffers' host time, too, after the first GEMMs
+                    grads = _grads(call, rows, h, w, b, hm, wm, need)
                 ch = walk.chunk(c, h_c)
                 if c == 0 and call.reduction == "mean":
                     # the mean's divisor, which gradients made in forward weigh by: made once the

@@ -653,6 +653,15 @@ def _policy_code(policy) -> int:
     return zlib.crc32(repr(dataclasses.astuple(policy or DEFAULT_POLICY)).encode())
 
 
+def deferred_check(target: torch.Tensor, options: Options, vocab_size: int) -> DeferredTargetCheck | None:
+    """The target range check a world-1 call leaves pending (None: ``check`` is off, or the target
+    is fake -- torch.compile tracing the op's shapes -- whose ids the compiled op's own run checks,
+    :mod:`vparallel_ce.compiled`)."""
+    if options.check is not True or kernels.is_fake(target):
+        return None
+    return DeferredTargetCheck(target, options.ignore_index, vocab_size)
+
+
 @dataclass(frozen=True)
 class Agreement:
     """The outcome of a call's exchange: the layout of this rank's vocab shard, the token count of
@@ -706,10 +715,7 @@ def agree(
         v = local_size() if vocab_size is None else vocab_size
         if v != local_size():
             raise ValueError(f"vocab_size={vocab_size} but the unsharded input has {local_size()} classes")
-        # a fake target (torch.compile tracing the op's shapes) has no ids to check: the compiled
-        # op's own run checks the real ones (vparallel_ce.compiled)
-        pending = DeferredTargetCheck(target, ignore_index, v) if span and not kernels.is_fake(target) else None
-        return Agreement(VocabLayout.of_rank(None, 1, 0, v), None, pending)
+        return Agreement(VocabLayout.of_rank(None, 1, 0, v), None, deferred_check(target, options, v))
     me = comm.rank(group)
     counts = None
     if exchange:
