@@ -22,8 +22,9 @@ Methods (``<kind>`` is ``forward_kl``, ``reverse_kl`` or ``jsd``; JSD with ``bet
   on the logits;
 * ``compile:<kind>`` -- the plain fp32 loss (``(h @ W.T).float()``, ``log_softmax``, the divergence
   summed over the vocab) under ``torch.compile``; ``plain:<kind>`` the same eagerly;
-* ``liger:jsd`` -- Liger-Kernel's ``LigerFusedLinearJSDLoss`` (hard weight 0, soft weight 1), when
-  importable on CUDA.
+* ``liger:jsd`` -- Liger-Kernel's ``LigerFusedLinearJSDLoss`` (hard weight 0, soft weight 1), and
+  ``liger:forward_kl`` -- its ``LigerFusedLinearKLDivLoss`` (the student's lm_head fused; the teacher
+  given as its ``[N, V]`` probabilities, made in fp32 from its logits), when importable on CUDA.
 
 Run from the repository root::
 
@@ -49,8 +50,8 @@ SHAPES = {"llama3_8b_70b": (8192, 4096, 8192, 128256), "llama3_8b_70b_tp8": (819
 SMOKE_SHAPES = {"smoke": (96, 32, 48, 500), "smoke_odd": (70, 24, 40, 333)}
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 BETA = 0.5
-METHODS = ("compile:forward_kl", "ours:forward_kl", "ours:forward_kl:1", "ours_logits:forward_kl", "compile:jsd",
-           "liger:jsd", "ours:jsd", "ours:jsd:1")
+METHODS = ("compile:forward_kl", "liger:forward_kl", "ours:forward_kl", "ours:forward_kl:1", "ours_logits:forward_kl",
+           "compile:jsd", "liger:jsd", "ours:jsd", "ours:jsd:1")
 SMOKE_METHODS = ("plain:forward_kl", "ours:forward_kl", "ours:forward_kl:3", "ours_logits:forward_kl",
                  "plain:reverse_kl", "ours:reverse_kl", "plain:jsd", "ours:jsd", "ours_logits:jsd")
 
@@ -122,16 +123,35 @@ def make_method(name: str, device: torch.device, temperature: float):
             return vparallel_ce.distillation_loss(hs @ ws.t(), t, tgt, kind=kind, beta=BETA, temperature=temperature)
         return fn
     if base == "liger":
-        if kind != "jsd" or device.type != "cuda":
-            return None
-        try:
-            from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
-        except Exception:
-            return None
-        # Liger's JSD: beta KL(p||m) + (1 - beta) KL(q||m), m = beta p + (1 - beta) q, unscaled by T**2
-        liger = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=BETA, temperature=temperature)
-        return lambda hs, ws, ht, wt, tgt: temperature**2 * liger(hs, ws, ht, wt, tgt)
+        return _liger(kind, device, temperature)
     raise ValueError(f"unknown method {name!r}")
+
+
+def _liger(kind: str, device: torch.device, temperature: float):
+    """Liger-Kernel's fused-linear divergences with its defaults, unscaled by ``T**2`` (scaled here),
+    or None where not importable on CUDA."""
+    if device.type != "cuda" or kind == "reverse_kl":
+        return None
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+        from liger_kernel.transformers.fused_linear_kl_div import LigerFusedLinearKLDivLoss
+    except Exception:
+        return None
+    if kind == "jsd":  # beta KL(p||m) + (1 - beta) KL(q||m), m = beta p + (1 - beta) q; both lm_heads fused
+        jsd = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=BETA, temperature=temperature)
+        return lambda hs, ws, ht, wt, tgt: temperature**2 * jsd(hs, ws, ht, wt, tgt)
+    # forward KL: only the student's lm_head is fused; the teacher comes as its [N, V] probabilities
+    # (made here from its bf16 logits in ONE fp32 buffer, in place), the targets as shift_labels (an
+    # ignored row counts 0, "batchmean" over the others)
+    kl = LigerFusedLinearKLDivLoss(reduction="batchmean", temperature=temperature)
+
+    def fn(hs, ws, ht, wt, tgt):
+        with torch.no_grad():
+            p = (ht @ wt.t()).float().div_(temperature)
+            p.sub_(p.amax(-1, keepdim=True)).exp_()
+            p.div_(p.sum(-1, keepdim=True))
+        return temperature**2 * kl(hs, ws, p, tgt)
+    return fn
 
 
 def rel(a, ref) -> float:
