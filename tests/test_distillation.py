@@ -188,14 +188,18 @@ def _loss_and_grad(s, t, target=None, **opts):
 
 
 def test_identities_of_the_jsd_definition():
-    """``m = beta p + (1 - beta) q``: at beta 0 (m = q) and 1 (m = p) the JSD is 0; near them it is
-    beta KL(p||q) and (1 - beta) KL(q||p); swapping student and teacher swaps beta (Liger's symmetry
+    """``m = beta p + (1 - beta) q``: at beta 0 (m = q) and 1 (m = p) the JSD would be 0 for every
+    input, so those betas raise; near them it is beta KL(p||q) and (1 - beta) KL(q||p); swapping student and teacher swaps beta (Liger's symmetry
     check at 0.5); and the JSD at 0.5 is at most log 2, reached by disjoint distributions."""
     s, t, target = make(11, 17, "none ignored")
     checks = []
-    for beta in (0.0, 1.0):
-        loss, grad = _loss_and_grad(s, t, kind="jsd", beta=beta, temperature=2.0, reduction="none")
-        checks.append((f"jsd beta={beta} is 0", loss.abs().max().item() + grad.abs().max().item() <= 1e-15))
+    for beta, kl in ((0.0, "forward_kl"), (1.0, "reverse_kl"), (0, "forward_kl"), (1, "reverse_kl")):
+        # identically 0 there, where TRL and Liger mean a KL by these betas: refused, naming the kind
+        with pytest.raises(ValueError, match=f"kind='jsd' with beta={beta} is 0 for every input.*kind='{kl}'"):
+            vparallel_ce.distillation_loss(s, t, kind="jsd", beta=beta)
+        with pytest.raises(ValueError, match=f"beta={beta}"):
+            vparallel_ce.linear_distillation_loss(s, torch.eye(s.shape[-1], dtype=s.dtype), t, torch.eye(
+                t.shape[-1], dtype=t.dtype), kind="jsd", beta=beta)
     eps = 1e-8  # the next order is eps * a chi-square divergence, which can be large; rounding stays ~1e-7
     for beta, kind, scale in ((eps, "forward_kl", eps), (1 - eps, "reverse_kl", eps)):
         jsd, jsd_grad = _loss_and_grad(s, t, kind="jsd", beta=beta, reduction="none")

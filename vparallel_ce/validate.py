@@ -230,6 +230,14 @@ def check_options(**options) -> Problem | None:
     if options.get("num_valid_tokens") is not None and options.get("reduction", "mean") != "mean":
         return Problem(ValueError, "num_valid_tokens is the divisor of reduction='mean', got reduction="
                                    f"{options.get('reduction')!r}")
+    if options.get("divergence") == "jsd" and float(options.get("beta", 0.5)) in (0.0, 1.0):
+        # m = q at beta 0 and m = p at 1: the JSD is then 0 for every input -- a loss that trains
+        # nothing -- where TRL's and Liger's JSD read these two betas as the two KLs
+        beta = options.get("beta")
+        kl = "forward_kl', KL(p||q)" if float(beta) == 0.0 else "reverse_kl', KL(q||p)"
+        return Problem(ValueError, f"kind='jsd' with beta={beta!r} is 0 for every input (its mixture m is then the "
+                                   f"{'student' if float(beta) == 0.0 else 'teacher'}'s own distribution); for the "
+                                   f"divergence other libraries mean by it pass kind='{kl}, or a beta inside (0, 1)")
     if options.get("recompute") is False and options.get("reduction") == "none":
         return Problem(ValueError, "recompute=False (gradients made in forward) needs reduction 'mean' or 'sum': "
                                    "with reduction='none' the upstream gradient is only known in backward")
