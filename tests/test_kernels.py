@@ -137,6 +137,16 @@ _INTERPRETER_CHECKS = textwrap.dedent(
                 assert got.dtype == dtype
                 torch.testing.assert_close(got, stats.scale_rows(x, g), rtol=ulp, atol=0,
                                            msg=lambda m: f"scale_rows {dtype}: {m}")
+        # an ignored token's row keeps its value whatever g (nan, inf); the others take it
+        t = torch.tensor([3, -100, 0, 7, -100])
+        for g in (torch.tensor(float("nan")), torch.tensor(float("inf")), torch.tensor(1 / 3)):
+            got = tc.scale_rows(x, g, target=t, ignore_index=-100)
+            want = stats.scale_rows(x, g, target=t, ignore_index=-100)
+            assert torch.equal(got[[1, 4]], x[[1, 4]]), f"scale_rows {dtype} g={g}: an ignored row changed"
+            assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+            assert bool(got[[0, 2, 3]].isfinite().all()) == bool(g.isfinite()), f"scale_rows {dtype} g={g}"
+            torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=ulp, atol=0,
+                                       msg=lambda m: f"scale_rows {dtype} g={g} with ignored rows: {m}")
 
     # a strided row view (row stride > width) is read in place, not copied
     spec = stats.LossSpec(500)
@@ -284,6 +294,12 @@ def test_one_pass_statistics_and_gradient_on_cuda(opts):
         assert (got_x[::7] == 0).all() and (got_loss[::7] == 0).all()
     for g in (torch.tensor(1 / 3, device="cuda"), torch.rand(c, device="cuda") + 0.5):
         assert torch.equal(tc.scale_rows(x, g), stats.scale_rows(x, g))
+        got = tc.scale_rows(x, g, target=target, ignore_index=-100)
+        assert torch.equal(got, stats.scale_rows(x, g, target=target, ignore_index=-100))
+        assert torch.equal(got[::7], x[::7])  # the ignored rows keep their values
+    nan = torch.tensor(float("nan"), device="cuda")
+    got = tc.scale_rows(x, nan, target=target, ignore_index=-100)
+    assert torch.equal(got[::7], x[::7]) and got[target != -100].isnan().all()
 
 
 _TARGET_FACTS_CHECKS = textwrap.dedent(

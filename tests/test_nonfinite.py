@@ -10,7 +10,9 @@ The reference is PyTorch on the gathered logits over the VALID tokens: an ignore
 and its logits' gradient is exactly 0 whatever its logits (the one documented difference from
 ``F.cross_entropy``, which puts a nan gradient row on an ignored token whose logits hold a nan or are
 all -inf; docs/api.md, "Errors and non-finite values"). For the linear ops that logits gradient is
-chained through the lm_head's matmuls.
+chained through the lm_head's matmuls. A nan or inf upstream gradient of a "mean" or "sum" loss
+reaches only the valid tokens, on every plan of the linear ops (the gradients made in forward
+included), as ``F.cross_entropy`` itself on the full logits has it.
 """
 
 from __future__ import annotations
@@ -289,4 +291,134 @@ def test_on_cuda_non_finite_values_follow_the_reference(world, dtype):
             assert all(n > 0 for n in results), (op, kind)
     results = ([ignored_rows_rank(0, 1, "cuda", dtype)] if world == 1
                else run_ranks(ignored_rows_rank, world, "cuda", dtype, timeout=300))
+    assert all(n > 0 for n in results)
+
+
+# A non-finite upstream gradient of a "mean" or "sum" loss (a user's loss * nan, or a sum divided by a
+# count of 0 -- inf): F.cross_entropy leaves an ignored token's gradient row 0 and, with no valid
+# token at all, every gradient 0; only the valid tokens' rows take it. The same for every plan of the
+# linear ops, those that make their gradients in forward (and scale them by it in backward) included.
+# An infinite one: where PyTorch's GEMMs sum infinities of both signs into nan, ours scales finite
+# sums by it into +-inf -- non-finite at the same positions, not always of the same kind.
+
+UPSTREAMS = {"nan": NAN, "inf": INF, "2": 2.0}
+
+
+def _same_non_finite(got: torch.Tensor, want: torch.Tensor, what: str, dtype, exact_kind: bool) -> None:
+    if exact_kind:
+        return _same(got, want, what, dtype)
+    got, want = got.double().cpu(), want.double()
+    mismatch = torch.isfinite(got) != torch.isfinite(want)
+    assert not mismatch.any(), f"{what}: non-finite at {mismatch.nonzero().tolist()}\ngot {got}\nwant {want}"
+    finite = torch.isfinite(want)
+    torch.testing.assert_close(got[finite], want[finite], **TOLERANCE[dtype], msg=lambda m: f"{what}: {m}")
+
+
+def _scalar_upstream_reference(h, w, b, t, reduction, g):
+    """F.cross_entropy itself on the full logits, its loss' gradient ``g``."""
+    h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
+    b = None if b is None else b.clone().requires_grad_()
+    out = F.cross_entropy(F.linear(h, w, b), t, ignore_index=IGNORE, reduction=reduction)
+    out.backward(torch.tensor(g, dtype=out.dtype))
+    return out.detach(), h.grad, w.grad, None if b is None else b.grad
+
+
+def _distill_upstream_reference(hs, ws, ht, wt, t, reduction, g, hard_weight):
+    from tests.reference import reference_distillation
+
+    hs, ws = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+    out = reference_distillation(hs @ ws.T, ht @ wt.T, t, kind="forward_kl", temperature=2.0, hard_weight=hard_weight,
+                                 ignore_index=IGNORE, reduction=reduction)
+    out.backward(torch.tensor(g, dtype=out.dtype))
+    return out.detach(), hs.grad, ws.grad
+
+
+def upstream_rank(rank, world, device="cpu", dtype=torch.float64):
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if world > 1 else None
+    checked = 0
+    g_ = torch.Generator().manual_seed(7)
+    h_full = torch.randn(N, H, generator=g_, dtype=torch.float64).to(dtype).double()
+    w_full = torch.randn(V, H, generator=g_, dtype=torch.float64).to(dtype).double()
+    b_full = torch.randn(V, generator=g_, dtype=torch.float64).to(dtype).double()
+    ht_full = torch.randn(N, 2 * H, generator=g_, dtype=torch.float64).to(dtype).double()
+    wt_full = torch.randn(V, 2 * H, generator=g_, dtype=torch.float64).to(dtype).double()
+    t_some = torch.randint(0, V, (N,), generator=g_)
+    t_some[[0, 6]] = IGNORE
+    t_half = t_some.clone()
+    t_half[: N // 2] = IGNORE  # with sequence parallelism at TP 2, one rank holds no valid token
+    targets = {"some ignored": t_some, "the first half ignored": t_half, "all ignored": torch.full((N,), IGNORE)}
+
+    def local(x, dim=0):
+        return shard(x, world, rank, dim).to(device, dtype, copy=True)
+
+    for (tname, t), (gname, g), reduction in [(tt, gg, r) for tt in targets.items() for gg in UPSTREAMS.items()
+                                              for r in ("mean", "sum")]:
+        up = torch.tensor(g, dtype=torch.float32 if dtype != torch.float64 else dtype, device=device)
+        # a bias where db is scaled (the logits kept for the backward, the gradients made in forward)
+        plans = [(p, False, False) for p in LINEAR_PLANS] + [(p, True, False) for p in LINEAR_PLANS[:2]]
+        for (schedule, recompute, chunks), bias, sp in plans + ([(("token", None, 2), False, True)] if world > 1 else []):
+            h = (shard(h_full, world, rank, 0) if sp else h_full).to(device, dtype, copy=True).requires_grad_()
+            w = local(w_full).requires_grad_()
+            b = local(b_full).requires_grad_() if bias else None
+            t_in = (shard(t, world, rank, 0) if sp else t).to(device)
+            out = vparallel_ce.linear_cross_entropy(h, w, t_in, b, group=group, reduction=reduction, schedule=schedule,
+                                                    recompute=recompute, chunks=chunks, sequence_parallel=sp)
+            out.backward(up.to(out.dtype))
+            ref, dh, dw, db = _scalar_upstream_reference(h_full, w_full, b_full if bias else None, t, reduction, g)
+            case = (f"linear_cross_entropy TP {world}{' SP' if sp else ''}, {schedule} x{chunks} recompute={recompute}"
+                    f"{' bias' if bias else ''}, {reduction}, {tname}, upstream {gname}")
+            exact = "inf" not in gname
+            _same(out.detach(), ref, f"{case}: loss", dtype)
+            _same_non_finite(h.grad, shard(dh, world, rank, 0) if sp else dh, f"{case}: hidden grad on rank {rank}",
+                             dtype, exact)
+            _same_non_finite(w.grad, shard(dw, world, rank, 0), f"{case}: weight grad on rank {rank}", dtype, exact)
+            if bias:
+                _same_non_finite(b.grad, shard(db, world, rank, 0), f"{case}: bias grad on rank {rank}", dtype, exact)
+            checked += 1
+        for hard_weight, chunks in ((0.0, 2), (0.5, 1)):  # both plans make the gradients in forward
+            hs, ws = h_full.to(device, dtype, copy=True).requires_grad_(), local(w_full).requires_grad_()
+            out = vparallel_ce.linear_distillation_loss(hs, ws, ht_full.to(device, dtype), local(wt_full), t.to(device),
+                                                        group=group, temperature=2.0, hard_weight=hard_weight,
+                                                        reduction=reduction, chunks=chunks)
+            out.backward(up.to(out.dtype))
+            ref, dh, dw = _distill_upstream_reference(h_full, w_full, ht_full, wt_full, t, reduction, g, hard_weight)
+            case = f"linear_distillation_loss TP {world} x{chunks} hard {hard_weight}, {reduction}, {tname}, upstream {gname}"
+            exact = "inf" not in gname
+            _same(out.detach(), ref, f"{case}: loss", dtype)
+            _same_non_finite(hs.grad, dh, f"{case}: hidden grad on rank {rank}", dtype, exact)
+            _same_non_finite(ws.grad, shard(dw, world, rank, 0), f"{case}: weight grad on rank {rank}", dtype, exact)
+            checked += 1
+    for tokens, gname, reduction in [(n, gg, r) for n in (N, 0) for gg in UPSTREAMS for r in ("mean", "sum")]:
+        # without a target every token counts; none at all: no gradient holds a contribution
+        g = UPSTREAMS[gname]
+        hs = h_full[:tokens].to(device, dtype, copy=True).requires_grad_()
+        ws = local(w_full).requires_grad_()
+        out = vparallel_ce.linear_distillation_loss(hs, ws, ht_full[:tokens].to(device, dtype), local(wt_full), None,
+                                                    group=group, temperature=2.0, reduction=reduction, chunks=2)
+        out.backward(torch.tensor(g, dtype=out.dtype, device=device))
+        ref, dh, dw = _distill_upstream_reference(h_full[:tokens], w_full, ht_full[:tokens], wt_full, None, reduction,
+                                                  g, 0.0)
+        case = f"linear_distillation_loss TP {world}, no target, {tokens} tokens, {reduction}, upstream {gname}"
+        exact = "inf" not in gname
+        _same(out.detach(), ref, f"{case}: loss", dtype)
+        _same_non_finite(hs.grad, dh, f"{case}: hidden grad on rank {rank}", dtype, exact)
+        _same_non_finite(ws.grad, shard(dw, world, rank, 0), f"{case}: weight grad on rank {rank}", dtype, exact)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_non_finite_upstream_gradient_reaches_only_the_valid_tokens(world):
+    results = [upstream_rank(0, 1)] if world == 1 else run_ranks(upstream_rank, world, timeout=180)
+    assert all(n > 0 for n in results)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_on_cuda_a_non_finite_upstream_gradient_reaches_only_the_valid_tokens(world, dtype):
+    results = ([upstream_rank(0, 1, "cuda", dtype)] if world == 1
+               else run_ranks(upstream_rank, world, "cuda", dtype, timeout=300))
     assert all(n > 0 for n in results)

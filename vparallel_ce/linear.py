@@ -52,7 +52,7 @@ from .stats import (
 )
 
 __all__ = ["linear_cross_entropy", "Schedule", "Rows", "ChunkTargets", "Grads", "Backward", "KeptLogits",
-           "ChunkSaved", "Saved", "logits", "matmul_operand", "matmul_inputs", "grads_from_unit_dx",
+           "ChunkSaved", "Saved", "logits", "matmul_operand", "matmul_inputs", "grads_from_unit_dx", "valid_tokens",
            "scale_unit_grads"]
 
 
@@ -646,8 +646,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if n_valid is None and call.reduction == "mean":
                 n_valid = call.valid_count(t)
             ctx.saved = saved
-            if mode is Backward.SCALE:  # only [N, H] / [V_loc, H] gradients are kept, no logits
-                ctx.save_for_backward(*grads.finish(rows))
+            if mode is Backward.SCALE:  # only [N, H] / [V_loc, H] gradients (and the targets) are kept, no logits
+                ctx.save_for_backward(*grads.finish(rows), t)
             else:
                 ctx.save_for_backward(h, w, b, t)
             return call.loss_output(ctx, ops, _cat(per_token), n_valid)
@@ -659,7 +659,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         saved: Saved = ctx.saved
         call = saved.call
         if saved.mode is Backward.SCALE:  # made in forward for grad_out == 1: scale by the scalar
-            return scale_unit_grads(call.ops(grad_out), ctx.saved_tensors, grad_out) + (None, None)
+            *grads, t = ctx.saved_tensors
+            return scale_unit_grads(call.ops(grad_out), grads, grad_out, target=t, ignore_index=call.spec.ignore_index,
+                                    counted=valid_tokens(call, t)) + (None, None)
         h, w, b, t = ctx.saved_tensors
         with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
@@ -669,7 +671,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 g = grad_out
                 if call.reduction == "none":  # an ignored token's rows stay 0 whatever its g (nan too)
                     g = torch.where(t != call.spec.ignore_index, g.reshape(-1), 0)
-                return grads_from_unit_dx(ops, kept_chunks[0][0], h, w, b, hm, wm, g, saved.need) + (None, None)
+                return grads_from_unit_dx(ops, kept_chunks[0][0], h, w, b, hm, wm, g, saved.need, t,
+                                          call.spec.ignore_index) + (None, None)
             sched = Schedule.of(call, keep_logits=False)
             rows = sched.rows(call)
             grads = Grads(h, w, b, saved.need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)
@@ -683,18 +686,37 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return grads.finish(rows) + (None, None)
 
 
-def scale_unit_grads(ops, grads, grad_out: torch.Tensor) -> tuple:
-    """Gradients made in forward for an upstream gradient of 1 (in their inputs' dtypes: the fp32
-    sums are cast in forward, so what a microbatch holds until its backward is no larger than its
-    gradients), times the scalar ``grad_out``: the product formed in fp32 (``ops.scale_rows``: one
-    Triton pass per 2-D gradient on a GPU, a broadcast multiply of a 0-dim CUDA tensor being a slow
-    elementwise path) and rounded into the gradient's dtype -- exact for ``grad_out = 1``. None
-    stays None; a new tensor each time, so a second backward of a retained graph scales the same
-    gradients."""
-    return tuple(None if g is None else ops.scale_rows(g, grad_out, out=torch.empty_like(g)) for g in grads)
+def scale_unit_grads(ops, grads, grad_out: torch.Tensor, *, target: torch.Tensor | None = None,
+                     ignore_index: int = -100, counted: torch.Tensor | None = None) -> tuple:
+    """Gradients ``(dh, dW, db)`` made in forward for an upstream gradient of 1 (in their inputs'
+    dtypes: the fp32 sums are cast in forward, so what a microbatch holds until its backward is no
+    larger than its gradients), times the scalar ``grad_out``: the product formed in fp32
+    (``ops.scale_rows``: one Triton pass per 2-D gradient on a GPU, a broadcast multiply of a 0-dim
+    CUDA tensor being a slow elementwise path) and rounded into the gradient's dtype -- exact for
+    ``grad_out = 1``. None stays None; a new tensor each time, so a second backward of a retained
+    graph scales the same gradients.
+
+    What holds no contribution keeps its value, as ``F.cross_entropy``'s gradient does for a nan or
+    inf ``grad_out``: the rows of ``dh`` whose ``target`` (this rank's tokens) is ``ignore_index``,
+    and ``dW`` and ``db`` where ``counted`` (the valid tokens of the whole call, 0-dim) is 0."""
+    dh, *rest = grads
+    g_rest = grad_out if counted is None else torch.where(counted > 0, grad_out, torch.ones_like(grad_out))
+    out = [None if dh is None else ops.scale_rows(dh, grad_out, out=torch.empty_like(dh), target=target,
+                                                  ignore_index=ignore_index)]
+    return tuple(out + [None if g is None else ops.scale_rows(g, g_rest, out=torch.empty_like(g)) for g in rest])
 
 
-def grads_from_unit_dx(ops, dx, h, w, b, hm, wm, g, need) -> tuple:
+def valid_tokens(call: Call, target: torch.Tensor) -> torch.Tensor:
+    """The valid tokens of ``target`` (0-dim), of the whole group with sequence parallelism: what a
+    backward that scales gradients made in forward needs to know whether ``dW`` holds any
+    contribution (:func:`scale_unit_grads`; ``num_valid_tokens`` is a divisor, not this count)."""
+    n = (target != call.spec.ignore_index).sum()
+    if call.sequence_parallel:
+        comm.all_reduce_sum_(n, call.layout.group)
+    return n
+
+
+def grads_from_unit_dx(ops, dx, h, w, b, hm, wm, g, need, target, ignore_index) -> tuple:
     """``(dh, dW, db)`` from ``dx [N, V]``, the logits' gradient for an upstream gradient of 1 that
     the forward made (:meth:`Schedule.grad_with_statistics`), and the upstream ``g`` (a scalar, or
     per token for ``none``)::
@@ -706,21 +728,27 @@ def grads_from_unit_dx(ops, dx, h, w, b, hm, wm, g, need) -> tuple:
     ``g = 1``) and freed before ``dh`` is allocated, so the peak is ``dx + dW + dh``, as with the
     gradient pass of the kept logits. fp32 logits (``Call.logits_dtype``) leave an fp32 ``dx`` here
     (the forward's kernel writes it over them): ``db`` sums it as it is, the GEMMs take a copy in
-    the matmul dtype."""
+    the matmul dtype.
+
+    An ignored token's (``target == ignore_index``) rows of ``g h`` and ``dh`` are not scaled: its
+    row of ``dx`` is 0, so whatever ``g`` (nan, inf) it adds nothing to ``dW`` and its ``dh`` row
+    stays ``0 W``, as ``F.cross_entropy``'s; ``db`` takes ``g`` only where some token is valid."""
     need_h, need_w, need_b = need
     dh = dw = db = None
     if need_b and b is not None:  # a scalar g: a bias with reduction="none" does not take this path
-        db = (dx.sum(0, dtype=compute_dtype(dx.dtype)) * g.to(compute_dtype(dx.dtype))).to(b.dtype)
+        cdt = compute_dtype(dx.dtype)
+        g_b = torch.where((target != ignore_index).any(), g.to(cdt), torch.ones((), dtype=cdt, device=g.device))
+        db = (dx.sum(0, dtype=cdt) * g_b).to(b.dtype)
     dx = matmul_operand(dx, hm.dtype)
     if need_w:
-        gh = ops.scale_rows(hm, g)
+        gh = ops.scale_rows(hm, g, target=target, ignore_index=ignore_index)
         dw = torch.empty_like(w)
         _mm_into(dw, dx.t(), gh, accumulate=False)
         del gh
     if need_h:
         dh = torch.empty_like(h)
         _mm_into(dh, dx, wm, accumulate=False)
-        ops.scale_rows(dh, g, out=dh)
+        ops.scale_rows(dh, g, out=dh, target=target, ignore_index=ignore_index)
     return dh, dw, db
 
 

@@ -40,7 +40,7 @@ import torch
 from . import compiled
 from .call import Call, TopKRows, autocast_off, linear_distillation_call, settles_check
 from .divergence import DistillSpec, token_loss
-from .linear import Grads, Rows, Schedule, logits, matmul_inputs, scale_unit_grads
+from .linear import Grads, Rows, Schedule, logits, matmul_inputs, scale_unit_grads, valid_tokens
 from .linear import _cat, _keep  # the CE's per-chunk bookkeeping, the same here
 from .options import Options
 from .policy import ChunkPolicy, GradMode, WeightGrad
@@ -276,12 +276,12 @@ class _LinearDistillation(torch.autograd.Function):
                 else:
                     stats.append(st)
                 del s, t
-            ctx.call, ctx.spec, ctx.need, ctx.in_forward = call, spec, need, in_forward
-            if in_forward:  # only the [N, H_s] / [V_loc, H_s] gradients are kept, no logits
-                ctx.save_for_backward(*grads.finish(rows))
+            ctx.call, ctx.spec, ctx.need, ctx.in_forward, ctx.target_given = call, spec, need, in_forward, target_given
+            if in_forward:  # only the [N, H_s] / [V_loc, H_s] gradients (and the targets) are kept, no logits
+                ctx.save_for_backward(*grads.finish(rows), target)
             elif any(need):
                 ctx.save_for_backward(h, w, b, target, *teacher.tensors)
-                ctx.teacher, ctx.stats, ctx.n_valid, ctx.target_given = teacher, stats, n_valid, target_given
+                ctx.teacher, ctx.stats, ctx.n_valid = teacher, stats, n_valid
             return call.loss_output(ctx, call.ops(wm), _cat(per_token), n_valid)
 
     @staticmethod
@@ -290,7 +290,14 @@ class _LinearDistillation(torch.autograd.Function):
     def backward(ctx, grad_out):
         nothing = (None,) * 5
         if ctx.in_forward:  # made in forward for grad_out == 1: scale by the scalar
-            return scale_unit_grads(ctx.call.ops(grad_out), ctx.saved_tensors, grad_out) + nothing
+            call, (*grads, target) = ctx.call, ctx.saved_tensors
+            if ctx.target_given:  # an ignored token holds no contribution (scale_unit_grads)
+                return scale_unit_grads(call.ops(grad_out), grads, grad_out, target=target,
+                                        ignore_index=call.spec.ignore_index,
+                                        counted=valid_tokens(call, target)) + nothing
+            # every token counts: only an empty call holds no contribution
+            counted = None if sum(call.counts) else torch.zeros((), device=grad_out.device)
+            return scale_unit_grads(call.ops(grad_out), grads, grad_out, counted=counted) + nothing
         call, spec = ctx.call, ctx.spec
         h, w, b, target, *teacher = ctx.saved_tensors
         with autocast_off(h.device.type):

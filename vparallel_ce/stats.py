@@ -376,13 +376,21 @@ def loss_stats_grad_(x: torch.Tensor, target: torch.Tensor, n_valid: torch.Tenso
     return st, token_loss(whole_vocab(st), valid, spec)
 
 
-def scale_rows(x: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def scale_rows(x: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = None, *,
+               target: torch.Tensor | None = None, ignore_index: int = -100) -> torch.Tensor:
     """``g * x`` rounded once into ``out``'s dtype (``x``'s by default; ``out=x``: in place): the
     product is formed in fp32 (fp64 for fp64), so a ``g`` such as 1/3 is not rounded to bf16 first.
-    ``g``: a scalar tensor, or one value per row of ``x [c, n]``."""
+    ``g``: a scalar tensor, or one value per row of ``x [c, n]``. ``target`` (``[c]``): a row whose
+    target is ``ignore_index`` keeps its value, whatever ``g`` -- an ignored token's row of a
+    gradient made for an upstream gradient of 1 holds no contribution to scale (0, or nan from a
+    non-finite weight), as ``F.cross_entropy`` leaves an ignored row's gradient even for a nan or
+    inf upstream gradient."""
     cdt = compute_dtype(x.dtype)
     g = g.to(cdt)
-    prod = x.to(cdt) * (g.reshape(-1, 1) if g.dim() else g)
+    g = g.reshape(-1, 1) if g.dim() else g
+    if target is not None:
+        g = torch.where((target != ignore_index).reshape(-1, 1), g, torch.ones((), dtype=cdt, device=x.device))
+    prod = x.to(cdt) * g
     if out is None:
         return prod.to(x.dtype)
     return out.copy_(prod)

@@ -211,7 +211,8 @@ def _loss_grad_kernel(
 
 
 @triton.jit
-def _scale_rows_kernel(X, stride_x, O, stride_o, G, n, PER_ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _scale_rows_kernel(X, stride_x, O, stride_o, G, n, T, ignore_index, PER_ROW: tl.constexpr, MASKED: tl.constexpr,
+                       BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -219,6 +220,8 @@ def _scale_rows_kernel(X, stride_x, O, stride_o, G, n, PER_ROW: tl.constexpr, BL
         g = tl.load(G + row).to(tl.float32)
     else:
         g = tl.load(G).to(tl.float32)
+    if MASKED:  # an ignored token's row keeps its value (x * 1: exact, nan stays nan)
+        g = tl.where(tl.load(T + row) == ignore_index, 1.0, g)
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(O + row * stride_o + cols, (x * g).to(O.dtype.element_ty), mask=mask)
 
@@ -354,15 +357,20 @@ def loss_stats_grad_(x, target, n_valid, reduction, spec, *, block: int | None =
     return stats.ChunkStats(m, se, tg, sm, None), loss
 
 
-def scale_rows(x: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Drop-in for :func:`vparallel_ce.stats.scale_rows` (one launch, the product in fp32)."""
+def scale_rows(x: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = None, *,
+               target: torch.Tensor | None = None, ignore_index: int = -100) -> torch.Tensor:
+    """Drop-in for :func:`vparallel_ce.stats.scale_rows` (one launch, the product in fp32; the
+    ignored rows found from ``target`` in the same launch)."""
     out = torch.empty_like(x) if out is None else out
     if not (_covered(x) and _covered(out)) or x.stride(-1) != 1 or out.stride(-1) != 1 or x.numel() == 0 \
-            or g.device != x.device or g.numel() not in (1, x.shape[0]):
-        return stats.scale_rows(x, g, out)
+            or g.device != x.device or g.numel() not in (1, x.shape[0]) \
+            or (target is not None and (target.device != x.device or target.numel() != x.shape[0])):
+        return stats.scale_rows(x, g, out, target=target, ignore_index=ignore_index)
     block = min(triton.next_power_of_2(max(x.shape[1], 16)), 2048)
+    masked = target is not None
     _scale_rows_kernel[(x.shape[0], triton.cdiv(x.shape[1], block))](
-        x, x.stride(0), out, out.stride(0), g.contiguous(), x.shape[1], PER_ROW=g.dim() > 0, BLOCK=block, num_warps=4,
+        x, x.stride(0), out, out.stride(0), g.contiguous(), x.shape[1], target.contiguous() if masked else g,
+        int(ignore_index), PER_ROW=g.dim() > 0, MASKED=masked, BLOCK=block, num_warps=4,
     )
     return out
 
