@@ -378,35 +378,39 @@ def upstream_rank(rank, world, device="cpu", dtype=torch.float64):
                 _same_non_finite(b.grad, shard(db, world, rank, 0), f"{case}: bias grad on rank {rank}", dtype, exact)
             checked += 1
         for hard_weight, chunks in ((0.0, 2), (0.5, 1)):  # both plans make the gradients in forward
-            hs, ws = h_full.to(device, dtype, copy=True).requires_grad_(), local(w_full).requires_grad_()
-            out = vparallel_ce.linear_distillation_loss(hs, ws, ht_full.to(device, dtype), local(wt_full), t.to(device),
-                                                        group=group, temperature=2.0, hard_weight=hard_weight,
-                                                        reduction=reduction, chunks=chunks)
-            out.backward(up.to(out.dtype))
-            ref, dh, dw = _distill_upstream_reference(h_full, w_full, ht_full, wt_full, t, reduction, g, hard_weight)
             case = f"linear_distillation_loss TP {world} x{chunks} hard {hard_weight}, {reduction}, {tname}, upstream {gname}"
-            exact = "inf" not in gname
-            _same(out.detach(), ref, f"{case}: loss", dtype)
-            _same_non_finite(hs.grad, dh, f"{case}: hidden grad on rank {rank}", dtype, exact)
-            _same_non_finite(ws.grad, shard(dw, world, rank, 0), f"{case}: weight grad on rank {rank}", dtype, exact)
-            checked += 1
+            checked += _check_distillation(case, rank, world, device, dtype, (h_full, w_full, ht_full, wt_full), t,
+                                           reduction, gname, hard_weight=hard_weight, chunks=chunks)
     for tokens, gname, reduction in [(n, gg, r) for n in (N, 0) for gg in UPSTREAMS for r in ("mean", "sum")]:
         # without a target every token counts; none at all: no gradient holds a contribution
-        g = UPSTREAMS[gname]
-        hs = h_full[:tokens].to(device, dtype, copy=True).requires_grad_()
-        ws = local(w_full).requires_grad_()
-        out = vparallel_ce.linear_distillation_loss(hs, ws, ht_full[:tokens].to(device, dtype), local(wt_full), None,
-                                                    group=group, temperature=2.0, reduction=reduction, chunks=2)
-        out.backward(torch.tensor(g, dtype=out.dtype, device=device))
-        ref, dh, dw = _distill_upstream_reference(h_full[:tokens], w_full, ht_full[:tokens], wt_full, None, reduction,
-                                                  g, 0.0)
         case = f"linear_distillation_loss TP {world}, no target, {tokens} tokens, {reduction}, upstream {gname}"
-        exact = "inf" not in gname
-        _same(out.detach(), ref, f"{case}: loss", dtype)
-        _same_non_finite(hs.grad, dh, f"{case}: hidden grad on rank {rank}", dtype, exact)
-        _same_non_finite(ws.grad, shard(dw, world, rank, 0), f"{case}: weight grad on rank {rank}", dtype, exact)
-        checked += 1
+        inputs = (h_full[:tokens], w_full, ht_full[:tokens], wt_full)
+        checked += _check_distillation(case, rank, world, device, dtype, inputs, None, reduction, gname, hard_weight=0.0,
+                                       chunks=2)
     return checked
+
+
+def _check_distillation(case, rank, world, device, dtype, inputs, t, reduction, gname, *, hard_weight, chunks) -> int:
+    """``linear_distillation_loss`` (forward KL, T = 2) on this rank's shard with upstream gradient
+    ``UPSTREAMS[gname]`` against the float64 reference on the full inputs."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if world > 1 else None
+    h_full, w_full, ht_full, wt_full = inputs
+    g = UPSTREAMS[gname]
+    hs = h_full.to(device, dtype, copy=True).requires_grad_()
+    ws = shard(w_full, world, rank, 0).to(device, dtype, copy=True).requires_grad_()
+    wt = shard(wt_full, world, rank, 0).to(device, dtype, copy=True)
+    out = vparallel_ce.linear_distillation_loss(hs, ws, ht_full.to(device, dtype), wt, None if t is None else t.to(device),
+                                                group=group, temperature=2.0, hard_weight=hard_weight,
+                                                reduction=reduction, chunks=chunks)
+    out.backward(torch.tensor(g, dtype=out.dtype, device=device))
+    ref, dh, dw = _distill_upstream_reference(h_full, w_full, ht_full, wt_full, t, reduction, g, hard_weight)
+    exact = "inf" not in gname
+    _same(out.detach(), ref, f"{case}: loss", dtype)
+    _same_non_finite(hs.grad, dh, f"{case}: hidden grad on rank {rank}", dtype, exact)
+    _same_non_finite(ws.grad, shard(dw, world, rank, 0), f"{case}: weight grad on rank {rank}", dtype, exact)
+    return 1
 
 
 @pytest.mark.parametrize("world", [1, 2])
