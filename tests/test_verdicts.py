@@ -183,6 +183,21 @@ def test_a_tensor_option_other_than_the_count_is_checked_on_every_call():
     assert not VERDICTS._known
 
 
+def test_a_call_plans_with_the_default_policy_current_at_it(monkeypatch):
+    h, w, _, _, t = case()
+    x = h @ w.T
+
+    def plans():
+        return (linear_call(h, w, t, None, op="linear_cross_entropy", group=None, options=Options())[0].plan,
+                vparallel_ce.call.logits_call(x, t, op="cross_entropy", group=None, options=Options())[0].plan)
+
+    before = plans()
+    small = vparallel_ce.policy.ChunkPolicy(budget_bytes=4 * V * 4, min_chunk_tokens=1)
+    monkeypatch.setattr(vparallel_ce.policy, "DEFAULT_POLICY", small)
+    after = plans()
+    assert [p.chunks for p in before] == [1, 1] and [p.chunks for p in after] == [3, 3], (before, after)
+
+
 def test_each_call_gets_its_own_pending_check_and_divisor():
     h, w, _, _, t = case()
     calls = [linear_call(h, w, t, None, op="linear_cross_entropy", group=None, options=Options(num_valid_tokens=n))[0]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
+from . import kernels, policy as _policy
 from .options import OPTION_NAMES, Options
 
 __all__ = ["Verdicts", "tensor_metadata", "VERDICTS"]
@@ -70,13 +70,17 @@ class Verdicts:
     @staticmethod
     def key(op: str, options: Options, tensors: tuple, extra: tuple = ()) -> tuple | None:
         """The key of a world-1 call of ``op``: its options, the metadata of ``tensors``, ``extra``
-        (the caller's other inputs as metadata, and whatever else its checks read) and the current
-        kernel settings. None where nothing may be remembered (see the module's docstring)."""
+        (the caller's other inputs as metadata, and whatever else its checks read), the current
+        kernel settings and, for a call without a policy, the default one it plans with (read from
+        :mod:`vparallel_ce.policy` now: it may have been replaced). None where nothing may be
+        remembered (see the module's docstring)."""
         meta = tensor_metadata(*tensors)
         if meta is None or torch.compiler.is_compiling():
             return None
         opts = _options_key(options)
-        return None if opts is None else (op, opts, meta, extra, kernels.settings())
+        if opts is None:
+            return None
+        return op, opts, meta, extra, kernels.settings(), _policy.DEFAULT_POLICY if options.policy is None else None
 
     def get(self, key: tuple | None):
         """The call remembered under ``key``, or None."""
