@@ -128,8 +128,15 @@ class Call:
             return self.divisor
         if of_target and self.pending is not None:
             return self.pending.count
+        return self.count_valid(target, valid)
+
+    def count_valid(self, target: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """The valid tokens of ``target`` (``valid``: their mask, if made already) as a 0-dim count,
+        of the whole group with sequence parallelism -- whatever ``num_valid_tokens`` says: a
+        backward scaling gradients made in forward needs to know whether ``dW`` holds any
+        contribution at all (:func:`vparallel_ce.linear.scale_unit_grads`)."""
         n = (target != self.spec.ignore_index if valid is None else valid).sum()
-        if self.sequence_parallel:  # mean over the tokens of the whole group
+        if self.sequence_parallel:  # the tokens of the whole group
             comm.all_reduce_sum_(n, self.layout.group)
         return n
 

@@ -52,7 +52,7 @@ from .stats import (
 )
 
 __all__ = ["linear_cross_entropy", "Schedule", "Rows", "ChunkTargets", "Grads", "Backward", "KeptLogits",
-           "ChunkSaved", "Saved", "logits", "matmul_operand", "matmul_inputs", "grads_from_unit_dx", "valid_tokens",
+           "ChunkSaved", "Saved", "logits", "matmul_operand", "matmul_inputs", "grads_from_unit_dx",
            "scale_unit_grads"]
 
 
@@ -661,7 +661,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if saved.mode is Backward.SCALE:  # made in forward for grad_out == 1: scale by the scalar
             *grads, t = ctx.saved_tensors
             return scale_unit_grads(call.ops(grad_out), grads, grad_out, target=t, ignore_index=call.spec.ignore_index,
-                                    counted=valid_tokens(call, t)) + (None, None)
+                                    counted=call.count_valid(t)) + (None, None)
         h, w, b, t = ctx.saved_tensors
         with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
@@ -704,16 +704,6 @@ def scale_unit_grads(ops, grads, grad_out: torch.Tensor, *, target: torch.Tensor
     out = [None if dh is None else ops.scale_rows(dh, grad_out, out=torch.empty_like(dh), target=target,
                                                   ignore_index=ignore_index)]
     return tuple(out + [None if g is None else ops.scale_rows(g, g_rest, out=torch.empty_like(g)) for g in rest])
-
-
-def valid_tokens(call: Call, target: torch.Tensor) -> torch.Tensor:
-    """The valid tokens of ``target`` (0-dim), of the whole group with sequence parallelism: what a
-    backward that scales gradients made in forward needs to know whether ``dW`` holds any
-    contribution (:func:`scale_unit_grads`; ``num_valid_tokens`` is a divisor, not this count)."""
-    n = (target != call.spec.ignore_index).sum()
-    if call.sequence_parallel:
-        comm.all_reduce_sum_(n, call.layout.group)
-    return n
 
 
 def grads_from_unit_dx(ops, dx, h, w, b, hm, wm, g, need, target, ignore_index) -> tuple:

@@ -40,7 +40,7 @@ import torch
 from . import compiled
 from .call import Call, TopKRows, autocast_off, linear_distillation_call, settles_check
 from .divergence import DistillSpec, token_loss
-from .linear import Grads, Rows, Schedule, logits, matmul_inputs, scale_unit_grads, valid_tokens
+from .linear import Grads, Rows, Schedule, logits, matmul_inputs, scale_unit_grads
 from .linear import _cat, _keep  # the CE's per-chunk bookkeeping, the same here
 from .options import Options
 from .policy import ChunkPolicy, GradMode, WeightGrad
@@ -294,7 +294,7 @@ class _LinearDistillation(torch.autograd.Function):
             if ctx.target_given:  # an ignored token holds no contribution (scale_unit_grads)
                 return scale_unit_grads(call.ops(grad_out), grads, grad_out, target=target,
                                         ignore_index=call.spec.ignore_index,
-                                        counted=valid_tokens(call, target)) + nothing
+                                        counted=call.count_valid(target)) + nothing
             # every token counts: only an empty call holds no contribution
             counted = None if sum(call.counts) else torch.zeros((), device=grad_out.device)
             return scale_unit_grads(call.ops(grad_out), grads, grad_out, counted=counted) + nothing
