@@ -132,9 +132,11 @@ def _liger(kind: str, device: torch.device, temperature: float):
     or None where not importable on CUDA."""
     if device.type != "cuda" or kind == "reverse_kl":
         return None
-    try:
-        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
-        from liger_kernel.transformers.fused_linear_kl_div import LigerFusedLinearKLDivLoss
+    try:  # each loss its own import: a Liger with the JSD but not yet the fused KL still runs the JSD
+        if kind == "jsd":
+            from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+        else:
+            from liger_kernel.transformers.fused_linear_kl_div import LigerFusedLinearKLDivLoss
     except Exception:
         return None
     if kind == "jsd":  # beta KL(p||m) + (1 - beta) KL(q||m), m = beta p + (1 - beta) q; both lm_heads fused
