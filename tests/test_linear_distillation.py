@@ -511,3 +511,59 @@ def test_dw_is_one_gemm_where_the_kept_gradients_are_no_larger_than_the_fp32_sum
     # recomputing plans make dW the same way
     shape = DistillShape("jsd", (4096, 8192), True, 2)
     assert policy.plan(8192, v, 8, reduction="none", distillation=shape).weight_grad is WeightGrad.ONE_GEMM
+
+
+def test_the_eager_op_launches_chunk_0s_gemms_before_autograd_runs_its_forward(monkeypatch):
+    # from an idle GPU, host time before the first GEMM is GPU idle time: the Function's apply and
+    # the forward's own set-up come after the first chunk's student and teacher GEMMs are queued
+    from vparallel_ce import linear_distillation as ld
+
+    order = []
+    gemm, forward = ld.logits, ld._LinearDistillation.forward
+
+    def spy_gemm(*args, **kwargs):
+        order.append("gemm")
+        return gemm(*args, **kwargs)
+
+    def spy_forward(*args, **kwargs):
+        order.append("forward")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(ld, "logits", spy_gemm)
+    monkeypatch.setattr(ld._LinearDistillation, "forward", staticmethod(spy_forward))
+    g = torch.Generator().manual_seed(0)
+    hs = torch.randn(12, H_S, generator=g, requires_grad=True)
+    ws = torch.randn(7, H_S, generator=g, requires_grad=True)
+    ht, wt = torch.randn(12, H_T, generator=g), torch.randn(7, H_T, generator=g)
+    target = torch.randint(0, 7, (12,), generator=g)
+    for chunks in (1, 3):
+        order.clear()
+        vparallel_ce.linear_distillation_loss(hs, ws, ht, wt, target, chunks=chunks).backward()
+        # chunk 0's student and teacher GEMMs, then the forward; then the other chunks' two GEMMs
+        assert order == ["gemm", "gemm", "forward"] + ["gemm", "gemm"] * (chunks - 1), (chunks, order)
+
+
+def test_the_walk_hands_chunk_0s_logits_over_once_and_keeps_no_reference_to_them():
+    # the eager op holds the walk while the forward runs: chunk 0's logits must not stay alive
+    # through the other chunks (one more chunk of both models' logits at the peak)
+    import weakref
+
+    from vparallel_ce import linear_distillation as ld
+    from vparallel_ce.call import linear_distillation_call
+    from vparallel_ce.options import Options
+
+    g = torch.Generator().manual_seed(0)
+    hs, ws = torch.randn(12, H_S, generator=g), torch.randn(7, H_S, generator=g)
+    ht, wt = torch.randn(12, H_T, generator=g), torch.randn(7, H_T, generator=g)
+    target = torch.randint(0, 7, (12,), generator=g)
+    call, inp, rows = linear_distillation_call(hs, ws, ht, wt, target, None, None, group=None,
+                                               options=Options(chunks=3))
+    walk = ld._Walk(call, inp.h, inp.w, inp.b, inp.target, ld._LogitsSource(rows.h, rows.w, rows.b), True)
+    h0, s0, (t0,) = walk.logits(0)
+    torch.testing.assert_close(s0, hs[: len(h0)] @ ws.T)
+    torch.testing.assert_close(t0, ht[: len(h0)] @ wt.T)
+    alive = [weakref.ref(s0), weakref.ref(t0)]
+    del h0, s0, t0
+    assert [ref() for ref in alive] == [None, None]
+    again = walk.logits(0)  # made anew, equal
+    torch.testing.assert_close(again[1], hs[: len(again[0])] @ ws.T)

@@ -101,9 +101,12 @@ class Call:
         """This world-1 call's verdict for another call of the same metadata
         (:mod:`vparallel_ce.verdicts`), with that call's own per-call parts: the divisor of its
         ``num_valid_tokens`` and the check of its ``target``."""
-        # (vars: dataclasses.replace re-reads every field's definition, host time before the GEMM)
-        return Call(**(vars(self) | {"divisor": _divisor(options, target.device),
-                                     "pending": deferred_check(target, options, self.layout.vocab_size)}))
+        # a copy with two fields set (dataclasses.replace re-reads every field's definition and
+        # runs __init__, copy.copy goes through __reduce_ex__: host time before the GEMM)
+        call = object.__new__(Call)
+        call.__dict__.update(vars(self), divisor=_divisor(options, target.device),
+                             pending=deferred_check(target, options, self.layout.vocab_size))
+        return call
 
     @property
     def verdict(self) -> "Call":

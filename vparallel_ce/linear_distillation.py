@@ -133,7 +133,8 @@ def linear_distillation_loss(
 @torch.compiler.disable
 def _eager(student: tuple, teacher: tuple, group, options: Options):
     args, shape = _start(student, teacher, group=group, options=options)
-    return _LinearDistillation.apply(*args), shape
+    h, w, b, target, source, target_given, _, call = args
+    return _LinearDistillation.apply(*args, _Walk(call, h, w, b, target, source, target_given)), shape
 
 
 def _start(student: tuple, teacher: tuple, *, group, options: Options) -> tuple[tuple, torch.Size]:
@@ -146,7 +147,9 @@ def _start(student: tuple, teacher: tuple, *, group, options: Options) -> tuple[
     if isinstance(rows, TopKRows):
         source = _TopKSource(rows.ids, rows.logprobs.detach(), TopKMath(rows.tail))
     else:
-        source = _LogitsSource(*(None if x is None else x.detach() for x in (rows.h, rows.w, rows.b)))
+        # a constant (each detach is a new tensor object: host time before the first GEMM)
+        source = _LogitsSource(*(x.detach() if x is not None and x.requires_grad else x
+                                 for x in (rows.h, rows.w, rows.b)))
     return (inp.h, inp.w, inp.b, inp.target, source, target is not None, spec, call), inp.shape
 
 
@@ -163,21 +166,38 @@ class _Chunk:
 
 
 class _Walk:
-    """The token chunks of one call over its :class:`~vparallel_ce.linear.Rows`."""
+    """The token chunks of one call over its :class:`~vparallel_ce.linear.Rows`: the student's
+    inputs in the matmul dtype, the teacher's source made ready, and chunk 0's two logits GEMMs
+    launched as soon as the walk is made. The eager op makes it before autograd's Function
+    machinery and the forward's own set-up run: from an idle GPU, that host time (tens of
+    microseconds) is time the GPU would wait for its first GEMM. :meth:`logits` hands chunk 0's
+    logits over once, so a reference to the walk keeps no logits alive through the other chunks."""
 
-    def __init__(self, call: Call, target: torch.Tensor, target_given: bool):
+    def __init__(self, call: Call, h, w, b, target: torch.Tensor, teacher, target_given: bool):
         self.call, self.target, self.given = call, target, target_given
         self.rows = Rows(call, call.plan.chunks)
+        with autocast_off(h.device.type), torch.no_grad():
+            self.hm, self.wm, self.bm = matmul_inputs(call, h, w, b)
+            self.source = teacher.prepared(call)
+            self._first = self._logits(0) if len(self.rows) else None
         # without a target every token of this rank counts (the stand-in target of zeros may well
         # equal ignore_index); with one, each chunk's mask comes from its targets
         self.all_local = None if target_given else torch.ones_like(target, dtype=torch.bool)
 
-    def hidden(self, c: int, h: torch.Tensor) -> torch.Tensor:
-        """Chunk ``c``'s rows of ``h`` (gathered over the group with sequence parallelism)."""
-        return self.rows.gather(c, h)
+    def logits(self, c: int) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """Chunk ``c``'s student hidden rows (gathered over the group with sequence parallelism),
+        its student logits and its teacher's chunk (:meth:`_LogitsSource.chunk`)."""
+        if c == 0 and self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return self._logits(c)
+
+    def _logits(self, c: int):
+        h_c = self.rows.gather(c, self.hm)
+        return h_c, logits(self.call, h_c, self.wm, self.bm), self.source.chunk(self.call, self.rows, c)
 
     def chunk(self, c: int, h_c: torch.Tensor) -> _Chunk:
-        """Chunk ``c`` over its hidden rows ``h_c`` (:meth:`hidden`). Called once the chunk's
+        """Chunk ``c`` over its hidden rows ``h_c`` (:meth:`logits`). Called once the chunk's
         GEMMs are launched: its target maps are small kernels, which would otherwise hold them
         back on the host."""
         call, rows = self.call, self.rows
@@ -249,18 +269,17 @@ class _LinearDistillation(torch.autograd.Function):
     comes from the :class:`Call`."""
 
     @staticmethod
-    def forward(ctx, h, w, b, target, teacher, target_given: bool, spec: DistillSpec, call: Call):
+    def forward(ctx, h, w, b, target, teacher, target_given: bool, spec: DistillSpec, call: Call,
+                walk: _Walk | None = None):
+        if walk is None:  # the compiled op's forward makes its own
+            walk = _Walk(call, h, w, b, target, teacher, target_given)
         need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
         in_forward = any(need) and call.plan.grad_mode is GradMode.IN_FORWARD
         with autocast_off(h.device.type):
-            hm, wm, bm = matmul_inputs(call, h, w, b)
-            source = teacher.prepared(call)
-            walk = _Walk(call, target, target_given)
-            rows = walk.rows
+            hm, wm, source, rows = walk.hm, walk.wm, walk.source, walk.rows
             grads, per_token, stats, n_valid = None, [], [], None
             for c in range(len(rows)):
-                h_c = walk.hidden(c, hm)
-                s, t = logits(call, h_c, wm, bm), source.chunk(call, rows, c)
+                h_c, s, t = walk.logits(c)
                 if in_forward and grads is None:  # its buffers' host time, too, after the first GEMMs
                     grads = _grads(call, rows, h, w, b, hm, wm, need)
                 ch = walk.chunk(c, h_c)
@@ -288,7 +307,7 @@ class _LinearDistillation(torch.autograd.Function):
     @first_order_only("linear_distillation_loss")
     @settles_check
     def backward(ctx, grad_out):
-        nothing = (None,) * 5
+        nothing = (None,) * 6
         if ctx.in_forward:  # made in forward for grad_out == 1: scale by the scalar
             call, (*grads, target) = ctx.call, ctx.saved_tensors
             if ctx.target_given:  # an ignored token holds no contribution (scale_unit_grads)
@@ -300,16 +319,13 @@ class _LinearDistillation(torch.autograd.Function):
             return scale_unit_grads(call.ops(grad_out), grads, grad_out, counted=counted) + nothing
         call, spec = ctx.call, ctx.spec
         h, w, b, target, *teacher = ctx.saved_tensors
+        walk = _Walk(call, h, w, b, target, ctx.teacher.with_tensors(*teacher), ctx.target_given)
         with autocast_off(h.device.type):
-            hm, wm, bm = matmul_inputs(call, h, w, b)
-            source = ctx.teacher.with_tensors(*teacher).prepared(call)
-            walk = _Walk(call, target, ctx.target_given)
-            rows = walk.rows
+            hm, wm, source, rows = walk.hm, walk.wm, walk.source, walk.rows
             grads = _grads(call, rows, h, w, b, hm, wm, ctx.need)
             g_local = grad_out.reshape(-1) if call.reduction == "none" else None
             for c in range(len(rows)):
-                h_c = walk.hidden(c, hm)
-                s, t = logits(call, h_c, wm, bm), source.chunk(call, rows, c)
+                h_c, s, t = walk.logits(c)
                 ch = walk.chunk(c, h_c)
                 st = ctx.stats[c]
                 r = token_weights(ch.valid, ctx.n_valid, call.reduction, st.divergence.dtype)

@@ -46,8 +46,11 @@ def _options_key(o: Options) -> tuple | None:
     metadata: its check reads no more of it, and each call reads its value. None for any other
     tensor option (a ``label_smoothing`` tensor): its value is checked, and may change in place
     between calls."""
-    values = list(vars(o).values())
+    values = tuple(vars(o).values())
     types = tuple(map(type, values))
+    if _VALUE_TYPES.issuperset(types):  # the common case, in one set operation
+        return values, types
+    values = list(values)
     for i, v in enumerate(values):
         if isinstance(v, torch.Tensor):
             if i != _COUNT:
@@ -56,6 +59,8 @@ def _options_key(o: Options) -> tuple | None:
     return tuple(values), types
 
 
+# option value types that are no tensor (anything else is looked at one by one)
+_VALUE_TYPES = frozenset((int, float, str, bool, type(None), torch.dtype, _policy.ChunkPolicy))
 _COUNT = OPTION_NAMES.index("num_valid_tokens")
 
 
