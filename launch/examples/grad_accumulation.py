@@ -19,6 +19,7 @@ The exact recipe, three lines:
    communication hook, or FSDP2 ``set_gradient_divide_factor(1.0)``, and skip the factor).
 """
 
+import gc
 import os
 import socket
 
@@ -133,6 +134,10 @@ def worker(rank: int | None = None, world: int | None = None) -> None:
             print(f"{name:20s} max relative gradient error vs one big batch: {err:.1e}")
     assert errors["DDP, exact"] < 1e-12 and errors["FSDP2, exact"] < 1e-12, errors
     assert errors["DDP, usual loop"] > 0.1, errors  # what the recipe fixes
+    # the wrapped models hold the group's last collectives: released while the interpreter is fully
+    # alive, before the group goes (left to its shutdown, gloo's threads could abort the process)
+    del ddp, m
+    gc.collect()
     dist.destroy_process_group()
     if rank == 0:
         print("OK")
