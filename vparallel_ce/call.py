@@ -103,7 +103,7 @@ class Call:
         ``num_valid_tokens`` and the check of its ``target``."""
         # a copy with two fields set (dataclasses.replace re-reads every field's definition and
         # runs __init__, copy.copy goes through __reduce_ex__: host time before the GEMM)
-        call = object.__new__(Call)
+        call = object.__new__(type(self))
         call.__dict__.update(vars(self), divisor=_divisor(options, target.device),
                              pending=deferred_check(target, options, self.layout.vocab_size))
         return call
