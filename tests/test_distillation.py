@@ -189,8 +189,9 @@ def _loss_and_grad(s, t, target=None, **opts):
 
 def test_identities_of_the_jsd_definition():
     """``m = beta p + (1 - beta) q``: at beta 0 (m = q) and 1 (m = p) the JSD would be 0 for every
-    input, so those betas raise; near them it is beta KL(p||q) and (1 - beta) KL(q||p); swapping student and teacher swaps beta (Liger's symmetry
-    check at 0.5); and the JSD at 0.5 is at most log 2, reached by disjoint distributions."""
+    input, so those betas raise; near them it is beta KL(p||q) and (1 - beta) KL(q||p); swapping
+    student and teacher swaps beta (Liger's symmetry check at 0.5); and the JSD at 0.5 is at most
+    log 2, reached by disjoint distributions."""
     s, t, target = make(11, 17, "none ignored")
     checks = []
     for beta, kl in ((0.0, "forward_kl"), (1.0, "reverse_kl"), (0, "forward_kl"), (1, "reverse_kl")):

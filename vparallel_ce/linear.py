@@ -53,7 +53,7 @@ from .stats import (
 
 __all__ = ["linear_cross_entropy", "Schedule", "Rows", "ChunkTargets", "Grads", "Backward", "KeptLogits",
            "ChunkSaved", "Saved", "logits", "matmul_operand", "matmul_inputs", "grads_from_unit_dx",
-           "scale_unit_grads"]
+           "scale_unit_grads", "scale_valid_unit_grads"]
 
 
 def linear_cross_entropy(
@@ -660,8 +660,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         call = saved.call
         if saved.mode is Backward.SCALE:  # made in forward for grad_out == 1: scale by the scalar
             *grads, t = ctx.saved_tensors
-            return scale_unit_grads(call.ops(grad_out), grads, grad_out, target=t, ignore_index=call.spec.ignore_index,
-                                    counted=call.count_valid(t)) + (None, None)
+            return scale_valid_unit_grads(call, grads, grad_out, t) + (None, None)
         h, w, b, t = ctx.saved_tensors
         with autocast_off(h.device.type):
             hm, wm, bm = matmul_inputs(call, h, w, b)
@@ -705,6 +704,15 @@ def scale_unit_grads(ops, grads, grad_out: torch.Tensor, *, target: torch.Tensor
                                                   ignore_index=ignore_index)]
     return tuple(out + [None if g is None else ops.scale_rows(g, g_rest, out=torch.empty_like(g)) for g in rest])
 
+
+
+def scale_valid_unit_grads(call: Call, grads, grad_out: torch.Tensor, target: torch.Tensor) -> tuple:
+    """:func:`scale_unit_grads` of a call's gradients made in forward, whose tokens count where
+    ``target`` (this rank's) is not ignored: the ignored tokens' ``dh`` rows and, where the call
+    (the whole group with sequence parallelism) has no valid token, ``dW`` and ``db`` keep their
+    value."""
+    return scale_unit_grads(call.ops(grad_out), grads, grad_out, target=target, ignore_index=call.spec.ignore_index,
+                            counted=call.count_valid(target))
 
 def grads_from_unit_dx(ops, dx, h, w, b, hm, wm, g, need, target, ignore_index) -> tuple:
     """``(dh, dW, db)`` from ``dx [N, V]``, the logits' gradient for an upstream gradient of 1 that

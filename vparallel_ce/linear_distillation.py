@@ -40,7 +40,7 @@ import torch
 from . import compiled
 from .call import Call, TopKRows, autocast_off, linear_distillation_call, settles_check
 from .divergence import DistillSpec, token_loss
-from .linear import Grads, Rows, Schedule, logits, matmul_inputs, scale_unit_grads
+from .linear import Grads, Rows, Schedule, logits, matmul_inputs, scale_unit_grads, scale_valid_unit_grads
 from .linear import _cat, _keep  # the CE's per-chunk bookkeeping, the same here
 from .options import Options
 from .policy import ChunkPolicy, GradMode, WeightGrad
@@ -310,10 +310,8 @@ class _LinearDistillation(torch.autograd.Function):
         nothing = (None,) * 6
         if ctx.in_forward:  # made in forward for grad_out == 1: scale by the scalar
             call, (*grads, target) = ctx.call, ctx.saved_tensors
-            if ctx.target_given:  # an ignored token holds no contribution (scale_unit_grads)
-                return scale_unit_grads(call.ops(grad_out), grads, grad_out, target=target,
-                                        ignore_index=call.spec.ignore_index,
-                                        counted=call.count_valid(target)) + nothing
+            if ctx.target_given:  # an ignored token holds no contribution
+                return scale_valid_unit_grads(call, grads, grad_out, target) + nothing
             # every token counts: only an empty call holds no contribution
             counted = None if sum(call.counts) else torch.zeros((), device=grad_out.device)
             return scale_unit_grads(call.ops(grad_out), grads, grad_out, counted=counted) + nothing
