@@ -26,7 +26,7 @@ def test_bench_distill_smoke_on_cpu(tmp_path):
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     out = tmp_path / "distill.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "launch.bench.distill", "--smoke", "--json", str(out)], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "launch.bench.distill", "--smoke", "--out", str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]

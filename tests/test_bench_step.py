@@ -18,7 +18,7 @@ def test_bench_step_smoke_on_cpu(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     out = tmp_path / "step.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "launch.bench.step", "--small", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "launch.bench.step", "--smoke", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -1,4 +1,4 @@
-"""Smoke test of ``torchrun -m launch.bench.tp``: 2 gloo ranks on CPU, small shapes.
+"""Smoke test of ``torchrun -m launch.bench.tp``: 2 gloo ranks on CPU, tiny shapes (``--smoke``).
 
 Checks that the benchmark exits 0 (every correctness check of our ops within tolerance at TP=2,
 bf16/fp32, sequence parallel on/off), prints its final table with a row per method, and writes JSON
@@ -27,7 +27,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_bench_tp_small_two_gloo_ranks(tmp_path):
+def test_bench_tp_smoke_two_gloo_ranks(tmp_path):
     env = dict(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
@@ -35,7 +35,7 @@ def test_bench_tp_small_two_gloo_ranks(tmp_path):
     out = tmp_path / "bench_tp.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "launch.bench.tp", "--small", "--repeats", "2", "--warmup", "1", "--timeout", "60", "--json", str(out)]
+           "-m", "launch.bench.tp", "--smoke", "--repeats", "2", "--warmup", "1", "--timeout", "60", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
                           stdin=subprocess.DEVNULL)
     log = proc.stdout + proc.stderr

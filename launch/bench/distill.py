@@ -28,7 +28,7 @@ Methods (``<kind>`` is ``forward_kl``, ``reverse_kl`` or ``jsd``; JSD with ``bet
 
 Run from the repository root::
 
-    python -m launch.bench.distill --json distill.jsonl          # one GPU: both shapes, every method
+    python -m launch.bench.distill --out distill.jsonl           # one GPU: both shapes, every method
     python -m launch.bench.distill --smoke                       # CPU, tiny shapes
 """
 
@@ -257,7 +257,7 @@ def main(argv=None):
     p.add_argument("--no-ref", action="store_true", help="skip the float64 reference (no error columns)")
     p.add_argument("--ahead-ms", type=float, default=0.0,
                    help="also time each method behind this much queued GPU work (ms_behind; see timing.timed)")
-    p.add_argument("--json", default=None, help="append one JSON line per measurement to this file")
+    p.add_argument("--out", default=None, help="append one JSON line per measurement to this file")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
 
@@ -271,7 +271,7 @@ def main(argv=None):
     env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
     print(f"# launch.bench.distill: {env}, T={args.temperature}, repeats {args.repeats}, warmup {args.warmup}",
           flush=True)
-    fh = open(args.json, "a") if args.json else None
+    fh = open(args.out, "a") if args.out else None
 
     def emit(rec):
         rec = {**rec, **env}

@@ -24,10 +24,10 @@ geometric-mean time over the shapes.
 Run from the repository root (the results page's lines: ``launch/bench/results/fused_h200.jsonl``,
 the ``sweep`` set's ``fused_sweep_h200.jsonl``)::
 
-    python -m launch.bench.fused --small                                    # CPU smoke test (interpreter, fp32)
-    python -m launch.bench.fused --set tiles --options --json tiles.jsonl   # one Hopper GPU
-    python -m launch.bench.fused --set persistent --no-baselines --shapes llama3_8b gemma --json pers.jsonl
-    python -m launch.bench.fused --set sweep --shapes 8192x4096x8064 llama3_8b 8192x2304x8064 --json sweep.jsonl
+    python -m launch.bench.fused --smoke                                   # CPU smoke test (interpreter, fp32)
+    python -m launch.bench.fused --set tiles --options --out tiles.jsonl   # one Hopper GPU
+    python -m launch.bench.fused --set persistent --no-baselines --shapes llama3_8b gemma --out pers.jsonl
+    python -m launch.bench.fused --set sweep --shapes 8192x4096x8064 llama3_8b 8192x2304x8064 --out sweep.jsonl
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import os
 import sys
 from dataclasses import asdict
 
-if "--small" in sys.argv:  # before triton is imported
+if "--smoke" in sys.argv:  # before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
@@ -274,22 +274,22 @@ def summary(rows, shapes):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--small", action="store_true", help="CPU smoke test: tiny shapes, fp32, Triton interpreter")
+    p.add_argument("--smoke", action="store_true", help="CPU smoke test: tiny shapes, fp32, Triton interpreter")
     p.add_argument("--set", default="tiles", choices=[*CANDIDATES, "all"], help="which candidate configs")
     p.add_argument("--shapes", nargs="*", default=None)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-baselines", action="store_true", help="skip the cuBLAS rows (a, b, e)")
     p.add_argument("--options", action="store_true", help="also check every loss option (default configs)")
-    p.add_argument("--json", default=None, help="write one JSON line per measurement here")
+    p.add_argument("--out", default=None, help="append one JSON line per measurement to this file")
     args = p.parse_args(argv)
-    cuda = torch.cuda.is_available() and not args.small
+    cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    shapes = SMALL_SHAPES if args.small else SHAPES
+    shapes = SMALL_SHAPES if args.smoke else SHAPES
     if args.shapes:  # names of launch.bench.loss's shapes, or N x H x V
         shapes = {k: shapes[k] if k in shapes else shape_of(k) for k in args.shapes}
-    if args.small:
+    if args.smoke:
         cands = SMALL_CANDIDATES
         args.repeats, args.warmup = min(args.repeats, 2), 1
     else:
@@ -299,16 +299,16 @@ def main(argv=None):
         import triton
 
         print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
-    out = open(args.json, "w") if args.json else open(os.devnull, "w")
+    out = open(args.out, "a") if args.out else open(os.devnull, "w")
     rows = []
     for name, shape in shapes.items():
         rows += bench_shape(name, shape, cands, args, device, dtype, out)
         if cuda:
             torch.cuda.empty_cache()
-    if args.options or args.small:
+    if args.options or args.smoke:
         print("\n## every loss option (bias, softcap 30, smoothing 0.1, z-loss 1e-4), default configs, "
-              f"{'small' if args.small else 'x'.join(map(str, OPTIONS_SHAPE))}")
-        for line in options_check(device, dtype, args.small):
+              f"{'small' if args.smoke else 'x'.join(map(str, OPTIONS_SHAPE))}")
+        for line in options_check(device, dtype, args.smoke):
             print("  " + line)
             out.write(json.dumps(dict(options_check=line)) + "\n")
     summary(rows, list(shapes))

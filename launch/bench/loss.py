@@ -24,8 +24,8 @@ passes ``check=False`` (no host sync for the target check).
 
 Run from the repository root (the results page's lines: ``launch/bench/results/loss_h200.jsonl``)::
 
-    python -m launch.bench.loss --small                          # CPU smoke test
-    python -m launch.bench.loss --json loss.jsonl                # one GPU: the four shapes, every method
+    python -m launch.bench.loss --smoke                          # CPU smoke test
+    python -m launch.bench.loss --out loss.jsonl                 # one GPU: the four shapes, every method
     python -m launch.bench.loss --shapes llama3_8b --methods compile,liger,ours:token:1,ours:auto:auto
     python -m launch.bench.report loss.jsonl                     # the tables; launch.bench.plot: the figures
 """
@@ -338,23 +338,21 @@ def print_tables(records):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--small", action="store_true", help="small shapes (CPU works)")
+    p.add_argument("--smoke", action="store_true", help="small shapes (CPU works; a GPU where there is one)")
     p.add_argument("--shapes", default=None, help="comma list of shape names, or NxHxV")
     p.add_argument("--methods", default=None, help="comma list (default: all peers and ours)")
     p.add_argument("--chunks", default=",".join(map(str, CHUNKS)), help="chunk counts of our sweep")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--json", default=None, help="append one JSON line per measurement to this file")
+    p.add_argument("--out", default=None, help="append one JSON line per measurement to this file")
     p.add_argument("--ahead-ms", type=float, default=0.0,
                    help="also time each method behind this much queued GPU work (ms_behind; see timing.timed)")
     p.add_argument("--ref-fp32", action="store_true", help="fp32 reference instead of fp64")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
-    if args.small and torch.cuda.is_available():
-        device = torch.device("cuda")
-    table = SMALL_SHAPES if args.small else SHAPES
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    table = SMALL_SHAPES if args.smoke else SHAPES
     shapes = {s: shape_of(s) for s in args.shapes.split(",")} if args.shapes else table
     chunk_list = [int(c) for c in args.chunks.split(",") if c]
     ours = [f"ours:{s}:{c}" for s in ("token", "vocab") for c in chunk_list]
@@ -366,7 +364,7 @@ def main(argv=None):
     else:
         methods = [m for m in PEERS if not (device.type == "cpu" and m in ("compile", "gemm3"))] + ours
 
-    fh = open(args.json, "a") if args.json else None
+    fh = open(args.out, "a") if args.out else None
     env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                kernels=vparallel_ce.kernels.ops_for(torch.empty(1, 1, device=device, dtype=torch.bfloat16)).name)
     try:

@@ -19,8 +19,8 @@ Losses: ``plain`` (fp32-upcast ``F.cross_entropy`` over full logits), ``compile`
 The model is the demo's (``launch/demo_model.py``). Run from the repository root (the results
 page's lines: ``launch/bench/results/step_h200.jsonl``)::
 
-    python -m launch.bench.step --json step.jsonl    # one GPU: every loss, the full 32-layer model
-    python -m launch.bench.step --small              # CPU smoke test: the tiny model, 64 tokens
+    python -m launch.bench.step --out step.jsonl     # one GPU: every loss, the full 32-layer model
+    python -m launch.bench.step --smoke              # CPU smoke test: the tiny model, 64 tokens
 """
 
 from __future__ import annotations
@@ -130,11 +130,11 @@ def main(argv=None):
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--small", action="store_true", help="CPU smoke test: tiny model, 64 tokens")
+    p.add_argument("--out", type=Path, default=None, help="append one JSON line per loss to this file")
+    p.add_argument("--smoke", action="store_true", help="CPU smoke test: tiny model, 64 tokens")
     args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
-    if args.small:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.smoke:
         args.model, args.seq_len, args.steps, args.warmup = "tiny", 64, 2, 1
         args.losses = ",".join(x for x in args.losses.split(",") if x in ("plain", "ours") or x.startswith("ours:"))
     cfg, model = build(args, device)
@@ -144,7 +144,7 @@ def main(argv=None):
     print(f"# {args.model} layers={cfg.n_layers} tokens={args.seq_len} device={device} torch={torch.__version__}",
           flush=True)
     rows = []
-    out = open(args.json, "a") if args.json else None
+    out = open(args.out, "a") if args.out else None
     for name in args.losses.split(","):
         fn = make_loss(name, device)
         if fn is None:

@@ -8,7 +8,7 @@
   round, and :func:`peak_of` -- one call's peak memory: a method measured after a long run of
   GEMM-heavy ones no longer meets a hotter, slower GPU than the first one did.
 
-Not run by itself: imported by ``launch.bench.loss``, ``.tp``, ``.rl`` and ``.fused``.
+Not run by itself: imported by ``launch.bench.loss``, ``.tp``, ``.rl``, ``.distill``, ``.step`` and ``.fused``.
 """
 
 from __future__ import annotations

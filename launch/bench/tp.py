@@ -3,15 +3,15 @@
 Run from the repository root under torchrun, one process per GPU (NCCL) -- or on CPU with gloo and
 small shapes::
 
-    torchrun --nproc_per_node 8 -m launch.bench.tp --json tp.jsonl   # 8 GPUs: TP 8, 2 x TP 4, 4 x TP 2
-    torchrun --nproc_per_node 2 -m launch.bench.tp --small           # CPU smoke test (gloo)
+    torchrun --nproc_per_node 8 -m launch.bench.tp --out tp.jsonl    # 8 GPUs: TP 8, 2 x TP 4, 4 x TP 2
+    torchrun --nproc_per_node 2 -m launch.bench.tp --smoke           # CPU smoke test (gloo)
 
 TP groups: the whole world (TP = W) and, when W >= 4, its partitions into sub-groups of 4 and 2
 ranks (``dist.new_group``, created in the same order on every rank; the sub-groups of one size run
 side by side, as DP replicas would).
 
 1. **Correctness** (``--skip-check`` skips it). Uneven vocab (V = 128256 + 5 on GPU, a small odd V
-   with ``--small``), bf16 and fp32. Every rank builds the FULL tensors from the same seed and
+   with ``--smoke``), bf16 and fp32. Every rank builds the FULL tensors from the same seed and
    computes the single-device result (the same op with ``group=None`` on the full logits / weight)
    and, when ``N * V`` is small enough, a float64 autograd reference. Then the TP run on this rank's
    shard: ``cross_entropy`` on the logits shard (plus the two baselines below, reported but not
@@ -19,7 +19,7 @@ side by side, as DP replicas would).
    Error = ``max|x - ref| / max|ref|`` per tensor (loss, logits grad shard / dh, dW shard), max over
    ranks. Exit code 1 if one of ours exceeds the tolerance (fp32 1e-4, bf16 2e-2) against either
    reference, or raised.
-2. **Per-rank cost** at the Llama3-8B lm_head shape (N=8192, H=4096, V=128256, bf16; ``--small``:
+2. **Per-rank cost** at the Llama3-8B lm_head shape (N=8192, H=4096, V=128256, bf16; ``--smoke``:
    tiny). Forward+backward, median of ``--repeats`` after ``--warmup`` (CUDA events; host clock on
    CPU), peak = ``max_memory_allocated`` during one more step minus what was allocated before it
    (resident inputs; so it includes the returned grads). Methods:
@@ -37,7 +37,7 @@ side by side, as DP replicas would).
    shard (targets folded into the shard, the same pinned plan/chunk count): ``comm`` = TP time -
    local time, roughly the collectives plus waiting for the slowest rank.
 
-Rank 0 prints the correctness lines, then one table (last), and appends JSON lines to ``--json``.
+Rank 0 prints the correctness lines, then one table (last), and appends JSON lines to ``--out``.
 Every wait is bounded by ``--timeout``.
 """
 
@@ -57,7 +57,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import vparallel_ce
-from launch.bench.timing import GiB, timed
+from launch.bench.timing import clear_grads, peak_of, sync, timed
 from vparallel_ce import policy as _policy
 from vparallel_ce.layout import shard_range
 
@@ -108,11 +108,6 @@ def make_groups(sizes, world: int, rank: int, timeout):
             if rank in ranks:
                 groups[s] = g
     return groups
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def world_max(values, device) -> list[float]:
@@ -334,25 +329,17 @@ def _num(x):
 
 # ---------------------------------------------------------------------------------------- timing
 
-def measure(step, zero, device, repeats: int, warmup: int):
-    """(median ms, peak GiB over resident inputs) of ``step()`` = one forward+backward."""
+def measure(step, params, device, repeats: int, warmup: int):
+    """(median ms, peak GiB over resident inputs) of ``step()`` = one forward+backward, ``params``'
+    ``.grad`` cleared before each call; every rank starts the timed calls together."""
     for _ in range(warmup):
-        zero()
+        clear_grads(params)
         step()
     sync(device)
     dist.barrier()
-    ms = timed(step, device, repeats, warmup=0, setup=zero)
-    zero()
-    peak = math.nan
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        step()
-        torch.cuda.synchronize(device)
-        peak = (torch.cuda.max_memory_allocated(device) - base) / GiB
-    zero()
+    ms = timed(step, device, repeats, warmup=0, setup=lambda: clear_grads(params))
+    peak, _ = peak_of(step, params, device)
+    clear_grads(params)
     return ms, peak
 
 
@@ -384,9 +371,7 @@ def _perf_tp(args, shape, tp, group, meshes, device, emit):
     k_ce = _policy.choose_chunks(n, v, tp, dtype=x.dtype)
     lce, ce = vparallel_ce.linear_cross_entropy, vparallel_ce.cross_entropy
 
-    def zero():
-        for leaf in (h, w, x):
-            leaf.grad = None
+    leaves = (h, w, x)
 
     def fb(fn):
         def step():
@@ -414,14 +399,14 @@ def _perf_tp(args, shape, tp, group, meshes, device, emit):
         try:
             if fn_tp is None:
                 raise RuntimeError("not available")
-            mine["ms"], mine["peak_gib"] = measure(fb(fn_tp), zero, device, args.repeats, args.warmup)
+            mine["ms"], mine["peak_gib"] = measure(fb(fn_tp), leaves, device, args.repeats, args.warmup)
             if fn_local is not None:
-                mine["local_ms"], _ = measure(fb(fn_local), zero, device, args.repeats, args.warmup)
+                mine["local_ms"], _ = measure(fb(fn_local), leaves, device, args.repeats, args.warmup)
         except Exception as e:  # noqa: BLE001 - e.g. OOM; the other ranks may time out
             mine["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             if args.verbose:
                 traceback.print_exc()
-            zero()
+            clear_grads(leaves)
         per_rank = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, mine)
         if dist.get_rank() == 0:
@@ -472,7 +457,7 @@ def parse_shape(s):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--small", action="store_true", help="tiny shapes (implied on CPU)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (implied on CPU)")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU even where CUDA is available")
     p.add_argument("--shape", type=parse_shape, default=None, help="timing shape NxHxV")
     p.add_argument("--check-shape", type=parse_shape, default=None, help="correctness shape NxHxV")
@@ -484,7 +469,7 @@ def main(argv=None):
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--skip-perf", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a collective gives up")
-    p.add_argument("--json", default=None, help="append JSON lines to this file (rank 0)")
+    p.add_argument("--out", default=None, help="append one JSON line per measurement to this file (rank 0)")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
@@ -492,7 +477,7 @@ def main(argv=None):
 
     device, timeout = setup(args)
     rank, world = dist.get_rank(), dist.get_world_size()
-    small = args.small or device.type == "cpu"
+    small = args.smoke or device.type == "cpu"
     perf_shape = args.shape or (SMALL_PERF_SHAPE if small else PERF_SHAPE)
     check_shape = args.check_shape or (SMALL_CHECK_SHAPE if small else CHECK_SHAPE)
     sizes = tp_sizes(world, args.tp_sizes)
@@ -509,7 +494,7 @@ def main(argv=None):
     env = dict(torch=torch.__version__, world=world, backend=backend,
                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                kernels=vparallel_ce.kernels.ops_for(torch.empty(1, 1, device=device, dtype=torch.bfloat16)).name)
-    fh = open(args.json, "a") if (args.json and rank == 0) else None
+    fh = open(args.out, "a") if (args.out and rank == 0) else None
     if rank == 0:
         print("#", json.dumps({**env, "tp_sizes": sizes, "check_shape": check_shape, "perf_shape": perf_shape}),
               flush=True)

@@ -16,15 +16,13 @@ The step has 3 microbatches holding 9, 0 and 4 valid tokens (the rest is padding
 step, as one big batch would give, although one microbatch has no valid token at all.
 """
 
-import os
-import socket
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import vparallel_ce
+
+from _spawn import run_ranks  # this folder's rank starter (the script's folder is on sys.path)
 
 V, H_STUDENT, H_TEACHER, S = 257, 16, 24, 12  # vocab, hidden sizes, tokens per microbatch
 VALID = [9, 0, 4]  # valid tokens of the step's microbatches
@@ -77,8 +75,7 @@ def reference(ids, labels):
     return loss.detach(), student, head.grad
 
 
-def worker(rank: int | None = None, world: int | None = None) -> None:
-    dist.init_process_group("gloo", rank=rank if rank is not None else -1, world_size=world or -1)
+def worker() -> None:
     rank, world, tp = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
     student, teacher, student_head, teacher_head = make_models()
     head = student_head.chunk(world)[rank].clone().requires_grad_()  # this rank's vocab rows
@@ -104,15 +101,7 @@ def worker(rank: int | None = None, world: int | None = None) -> None:
     if rank == 0:
         print(f"TP={world}, {len(VALID)} microbatches with {VALID} valid tokens: step loss {step_loss.item():.6f}, "
               f"one big batch {ref_loss.item():.6f}; every student gradient matches: OK", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    if "RANK" in os.environ:  # started by torchrun
-        worker()
-    else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        mp.spawn(worker, args=(2,), nprocs=2)
+    run_ranks(worker)

@@ -20,15 +20,14 @@ The exact recipe, three lines:
 """
 
 import gc
-import os
-import socket
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import vparallel_ce
+
+from _spawn import run_ranks  # this folder's rank starter (the script's folder is on sys.path)
 
 H, V, S = 16, 50, 12  # hidden size, vocab, tokens per microbatch (one sequence)
 VALID = [[12, 1, 0, 7], [3, 12, 9, 2]]  # valid tokens of each rank's microbatches
@@ -102,8 +101,7 @@ class _nothing:
         return False
 
 
-def worker(rank: int | None = None, world: int | None = None) -> None:
-    dist.init_process_group("gloo", rank=rank if rank is not None else -1, world_size=world or -1)
+def worker() -> None:
     rank, group = dist.get_rank(), dist.group.WORLD
     want = one_big_batch()
     mbs = microbatches(rank)
@@ -138,20 +136,9 @@ def worker(rank: int | None = None, world: int | None = None) -> None:
     # alive, before the group goes (left to its shutdown, gloo's threads could abort the process)
     del ddp, m
     gc.collect()
-    dist.destroy_process_group()
     if rank == 0:
-        print("OK")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        print("OK", flush=True)
 
 
 if __name__ == "__main__":
-    if "RANK" in os.environ:  # under torchrun
-        worker()
-    else:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-        mp.start_processes(worker, args=(2,), nprocs=2, start_method="spawn")
+    run_ranks(worker)

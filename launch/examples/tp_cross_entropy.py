@@ -10,21 +10,18 @@ loss over the whole vocabulary; ``hidden.grad`` is the full gradient, the weight
 gradients are this rank's slices of the full ones.
 """
 
-import os
-import socket
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import vparallel_ce
 
+from _spawn import run_ranks  # this folder's rank starter (the script's folder is on sys.path)
+
 N, H, V = 64, 32, 1001  # tokens, hidden size, vocab (uneven over 2 ranks: 501 + 500 rows)
 
 
-def worker(rank: int | None = None, world: int | None = None) -> None:
-    dist.init_process_group("gloo", rank=rank if rank is not None else -1, world_size=world or -1)
+def worker() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(0)  # the same full tensors on every rank
     hidden, weight = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g) / H**0.5
@@ -50,15 +47,7 @@ def worker(rank: int | None = None, world: int | None = None) -> None:
     if rank == 0:
         print(f"TP={world}: linear_cross_entropy {loss.item():.6f}, cross_entropy {loss_ce.item():.6f}, "
               f"F.cross_entropy on the full logits {ref.item():.6f}; gradients match: OK", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    if "RANK" in os.environ:  # started by torchrun
-        worker()
-    else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        mp.spawn(worker, args=(2,), nprocs=2)
+    run_ranks(worker)
