@@ -1,8 +1,9 @@
 """The minimal examples in launch/examples/ run on CPU and check themselves (each ends with OK).
 
-tp_cross_entropy.py spawns its two gloo processes itself, and also runs under torchrun;
-rl_logprobs.py is one process; grad_accumulation.py spawns two (DDP and FSDP2); hf_llama.py is one
-process and needs transformers (skipped without it). Each run has a bounded wall time.
+tp_cross_entropy.py, grad_accumulation.py (DDP and FSDP2) and distillation.py start their two gloo
+processes themselves (launch/examples/_spawn.py), and also run under torchrun (tp_cross_entropy.py
+is run both ways here); rl_logprobs.py is one process; hf_llama.py is one process and needs
+transformers (skipped without it). Each run has a bounded wall time.
 """
 
 from __future__ import annotations
