@@ -321,6 +321,9 @@ def _lora_terms(model, head):
     for name in head.active_adapters:
         if name not in head.lora_A:
             continue
+        if getattr(head, "use_dora", {}).get(name):
+            raise NotImplementedError(f"{where}: adapter {name!r} is DoRA (use_dora=True), whose output is not a "
+                                      "low-rank term added to the logits; not supported")
         if name in getattr(head, "lora_variant", {}):
             raise NotImplementedError(
                 f"{where}: adapter {name!r} is a LoRA variant ({type(head.lora_variant[name]).__name__}, e.g. DoRA) "
