@@ -97,6 +97,21 @@ def test_lora_lm_head_matches_peft(targets, when, lora_bias):
         torch.testing.assert_close(b.double(), a.double(), rtol=1e-6, atol=1e-6, msg=ctx)
 
 
+def test_lm_head_in_modules_to_save_matches_peft():
+    # PEFT trains a copy of the lm_head: the loss uses the copy, and the original only with adapters off
+    peft = pytest.importorskip("peft")
+    ref = peft.get_peft_model(_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    with torch.no_grad():   # the trained copy differs from the original
+        ref.base_model.model.lm_head.modules_to_save["default"].weight.mul_(1.5)
+    ours = vt.apply(copy.deepcopy(ref))
+    g = _assert_same_loss_and_grads(ref, ours)
+    assert any("lm_head.modules_to_save.default.weight" in n for n in g)
+    ids, labels = _batch(2)
+    with ref.disable_adapter(), ours.disable_adapter():
+        torch.testing.assert_close(ours(ids, labels=labels).loss.double(), ref(ids, labels=labels).loss.double(),
+                                   rtol=1e-6, atol=1e-6)
+
+
 def test_lora_dropout_refused_in_training_exact_in_eval():
     ref = _lora(_llama(), ["lm_head"], lora_dropout=0.1)
     ours = vt.apply(copy.deepcopy(ref))

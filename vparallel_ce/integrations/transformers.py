@@ -277,19 +277,41 @@ def _refuse_hooks(head):
 
 
 def _head_terms(model, head):
-    """The effective ``(weight, bias)`` of the lm_head: its own, or a PEFT LoRA layer's folded in."""
+    """The effective ``(weight, bias)`` of the lm_head: its own, or through PEFT's wrappers (the
+    module a ``modules_to_save`` wrapper runs, a LoRA layer folded in)."""
     if _is_peft_layer(head):
         return _lora_terms(model, head)
+    saved = _peft_saved_module(model, head)
+    if saved is not None:
+        return _head_terms(model, saved)
     return head.weight, getattr(head, "bias", None)
 
 
+def _peft_utils():
+    return sys.modules.get("peft.utils") if "peft" in sys.modules else None   # PEFT's layers need peft imported
+
+
 def _is_peft_layer(module) -> bool:
-    peft = sys.modules.get("peft")   # a PEFT layer exists only where peft is imported
-    if peft is None:
+    if _peft_utils() is None:
         return False
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     return isinstance(module, BaseTunerLayer)
+
+
+def _peft_saved_module(model, head):
+    """The module PEFT's ``modules_to_save`` wrapper runs (its trained copy for the active adapter, or
+    the original where adapters are off), else None; any other PEFT wrapper is refused."""
+    utils = _peft_utils()
+    if utils is None or not isinstance(head, utils.AuxiliaryTrainingWrapper):
+        return None
+    if not isinstance(head, utils.ModulesToSaveWrapper):
+        raise NotImplementedError(f"{type(model).__name__}'s lm_head is wrapped by a PEFT {type(head).__name__}; "
+                                  "supported are LoRA and modules_to_save")
+    active = head.active_adapters
+    if head.disable_adapters or not active or any(a not in head.modules_to_save for a in active):
+        return head.original_module
+    return head.modules_to_save[active[0]]
 
 
 def _lora_terms(model, head):
