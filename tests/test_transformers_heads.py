@@ -119,8 +119,7 @@ def test_lora_dropout_refused_in_training_exact_in_eval():
     with pytest.raises(NotImplementedError, match="lora_dropout=0.1 and the model is training"):
         ours(ids, labels=labels)
     ref.eval(), ours.eval()   # dropout off: the LoRA head is one linear map again
-    torch.testing.assert_close(ours(ids, labels=labels).loss.double(), ref(ids, labels=labels).loss.double(),
-                               rtol=1e-6, atol=1e-6)
+    _assert_same_loss_and_grads(ref, ours)
 
 
 # ---- hooks ----------------------------------------------------------------------------------------
@@ -143,6 +142,18 @@ def test_hooks_on_the_lm_head_are_refused(when):
         handle.remove()
         assert model(ids, labels=labels).logits is None   # no hook: runs
         vt.remove(model)
+
+
+def test_global_module_hooks_are_refused():
+    model = vt.apply(_llama())
+    ids, labels = _batch()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, out: None)
+    try:
+        with pytest.raises(NotImplementedError, match="global module hooks"):
+            model(ids, labels=labels)
+    finally:
+        handle.remove()
+    assert model(ids, labels=labels).logits is None
 
 
 # ---- config fields that scale or cap the logits ---------------------------------------------------
