@@ -15,9 +15,11 @@ class swap, no patched HF module):
 HF's loss conventions are kept: the labels are shifted left by one and padded with ``-100``
 (``shift_labels=`` is taken as given), ``ignore_index`` (default ``-100``) is ignored, and
 ``num_items_in_batch`` -- what HF's ``Trainer`` passes under gradient accumulation -- is the mean's
-divisor (``num_valid_tokens``). Tied embeddings need nothing: the lm_head weight *is* the
-embedding parameter, and autograd sums both uses' gradients into it. Gemma-style
-``config.final_logit_softcapping`` becomes ``softcap``.
+divisor (``num_valid_tokens`` where it is an integer; a float count divides the summed loss as it
+is, as HF does). Tied embeddings need nothing: the lm_head weight *is* the embedding parameter,
+and autograd sums both uses' gradients into it. A call without labels but with
+``num_items_in_batch`` (the ``Trainer`` computing its own loss from the logits, as with
+``label_smoothing_factor``) warns once: nothing is saved there; ``label_smoothing=`` is the op's.
 
 The HF surface this relies on (verified with ``transformers`` 5.25): ``PreTrainedModel.base_model``,
 ``get_output_embeddings()``, the base model returning ``last_hidden_state`` (after the final norm)
@@ -31,8 +33,9 @@ never skipped:
 
 * a PEFT LoRA adapter on the lm_head (``peft.tuners.lora.Linear``): the op gets the effective
   weight ``W + scaling * B @ A`` (one ``[V, H]`` tensor per call, built by autograd, so ``A`` and
-  ``B`` get their gradients) and bias ``b + scaling * b_B``; LoRA dropout while training, DoRA and
-  other LoRA variants, and any other PEFT tuner on the head are refused;
+  ``B`` get their gradients) and bias ``b + scaling * b_B``; an lm_head in PEFT's
+  ``modules_to_save`` is the copy PEFT runs; LoRA dropout while training, DoRA and other LoRA
+  variants, a LoRA head under TP and any other PEFT tuner on the head are refused;
 * ``config.lm_head_multiplier`` (FalconH1) scales the logits, ``final_logit_softcapping`` (Gemma)
   and ``logits_soft_cap`` (RecurrentGemma) cap them; a logit scale of other names (Cohere,
   Granite) and a mixture-of-experts router loss are refused by :func:`apply`;
@@ -399,14 +402,15 @@ def _check_head(model, hf_forward, base, head, call, weight, bias, scale, softca
         return
     with torch.no_grad():
         ours = _logits(caught[-1], weight, bias, scale, softcap)
+    # the rounding of the least precise dtype that made either (autocast may make bf16 from fp32)
+    eps = max(torch.finfo(t.dtype).eps for t in (theirs, ours, weight) if t.dtype.is_floating_point)
     theirs = theirs.to(torch.float64)
     ours = ours.to(device=theirs.device, dtype=torch.float64)
     if ours.shape != theirs.shape:
         raise NotImplementedError(
             f"{type(model).__name__}'s own logits have shape {tuple(theirs.shape)}, the lm_head weight gives "
             f"{tuple(ours.shape)}: its head is not hidden @ W.T + b")
-    dtype = weight.dtype
-    rtol = 1e-9 if dtype == torch.float64 else 1e-4 if dtype == torch.float32 else 3e-2
+    rtol = min(3e-2, max(1e-9, 1000 * eps))
     size = theirs.abs().max().item() + 1.0
     diff = (ours - theirs).abs().max().item()
     if not diff <= rtol * size:   # (nan-safe)
