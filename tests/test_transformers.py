@@ -4,7 +4,8 @@ Each case builds the same model twice (one with ``apply``) and checks the loss a
 parameter's gradient, with ignored labels, with ``num_items_in_batch``, with tied and untied
 embeddings, with an lm_head bias and Gemma2's logit soft-capping; the forward without labels is HF's, bit for bit. A few
 ``Trainer`` steps under gradient accumulation match a run without ``apply``; at TP 2 (HF's
-``tp_plan="auto"`` on gloo) the loss and the gathered gradients match world 1.
+``tp_plan="auto"`` on gloo, with torchrun's variables set so that on an accelerator each rank
+runs on the device HF binds it to) the loss and the gathered gradients match world 1.
 """
 
 from __future__ import annotations
