@@ -223,6 +223,11 @@ def _loss_forward(model, hf_forward, op_options, scale, args, kwargs):
         model.__dict__[_CHECKED] = head
     out = base(**call)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    if hidden.shape[-1] != weight.shape[-1]:
+        raise TypeError(
+            f"{type(model).__name__}.base_model ({type(base).__name__}) gives outputs of width {hidden.shape[-1]}, "
+            f"the lm_head takes {weight.shape[-1]}: it is not the decoder under the lm_head (a wrapped model? apply "
+            "takes the causal LM itself, or a PEFT model)")
     if scale != 1.0:   # m * (h @ W.T + b) = (m * h) @ W.T + m * b
         hidden = hidden * scale
         bias = None if bias is None else bias * scale
