@@ -4,12 +4,15 @@ Each case builds the same model twice (one with ``apply``) and checks the loss a
 parameter's gradient, with ignored labels, with ``num_items_in_batch``, with tied and untied
 embeddings, with an lm_head bias and Gemma2's logit soft-capping; the forward without labels is HF's, bit for bit. A few
 ``Trainer`` steps under gradient accumulation match a run without ``apply``; at TP 2 (HF's
-``tp_plan="auto"`` on gloo) the loss and the gathered gradients match world 1.
+``tp_plan="auto"`` on gloo, with torchrun's variables set so that on an accelerator each rank
+runs on the device HF binds it to) the loss and the gathered gradients match world 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 
 import pytest
 import torch
@@ -181,7 +184,6 @@ def _tp_kwargs(world: int) -> dict:
     """HF's TP plan over the whole (already initialised) group: ``DistributedConfig`` where there is
     one with ``tp_size`` (5.x), else the older ``tp_plan="auto"`` with ``WORLD_SIZE`` set."""
     import inspect
-    import os
 
     config = getattr(transformers, "DistributedConfig", None)
     if config is not None and "tp_size" in inspect.signature(config).parameters:
@@ -190,25 +192,50 @@ def _tp_kwargs(world: int) -> dict:
     return {"tp_plan": "auto"}
 
 
+@contextlib.contextmanager
+def _torchrun_env(rank: int, world: int):
+    """The variables torchrun sets, for the span of a test on a spawned rank; yields this rank's device.
+
+    HF's TP reads them: on an accelerator it binds each rank to device ``LOCAL_RANK`` (0 where unset,
+    which would put every rank on one device and the world-1 model elsewhere) and puts the model
+    there. With fewer devices than ranks, ranks share them (``rank % count``)."""
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    count = torch.accelerator.device_count() if accelerator is not None else 0
+    local = rank % count if count else rank
+    env = {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield torch.device(accelerator.type, local) if count else torch.device("cpu")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _tp_rank(rank, world, paths):
     import torch.distributed as dist
 
-    for path in paths:
-        _tp_check(world, path)
+    with _torchrun_env(rank, world) as device:
+        for path in paths:
+            _tp_check(world, path, device)
     dist.barrier()
     return True
 
 
-def _tp_check(world, path):
+def _tp_check(world, path, device):
     from torch.distributed.tensor import DTensor, Shard
 
-    ids, labels = _batch()
-    dense = vt.apply(transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float64))
+    ids, labels = (t.to(device) for t in _batch())
+    dense = vt.apply(transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float64).to(device))
     loss1 = dense(ids, labels=labels, num_items_in_batch=13).loss
     loss1.backward()
     g1 = _grads(dense)
     model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float64, **_tp_kwargs(world))
     weight = model.lm_head.weight
+    assert weight.device == device, (weight.device, device)   # HF put it where this rank expects
     assert isinstance(weight, DTensor) and weight.placements == (Shard(0),)
     assert weight.to_local().shape[0] < V   # this rank holds its vocab shard
     assert (weight is model.model.embed_tokens.weight) == model.config.tie_word_embeddings
