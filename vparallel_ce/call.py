@@ -30,7 +30,7 @@ import torch
 from . import comm, invariant, kernels, policy as _policy
 from .agreement import Facts, agree, hidden_checksum, replication_checked
 from .autocast import autocast_dtype
-from .dtensor import _unwrap_linear, _unwrap_logits  # (their texts name them so)
+from .dtensor import _unwrap_linear, _unwrap_logits  # step 1 of the front doors, private to them
 from .layout import VocabLayout
 from .policy import DistillShape, Plan
 from .stats import LossSpec

@@ -14,7 +14,7 @@ from . import kernels
 from .call import Call, LinearInputs, LogitsInputs, linear_call, logits_call
 from .call import _rows  # the front door's reshape, the same for the teacher's rows
 from .divergence import Divergence
-from .dtensor import _replicated, _unwrap_linear, local  # (their texts name them so)
+from .dtensor import _replicated, _unwrap_linear, local  # step 1 of the front door, for the teacher too
 from .options import Options
 from .policy import DistillShape
 from .topk import TailMode, TopKTeacher
