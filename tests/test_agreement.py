@@ -140,7 +140,7 @@ def test_every_disagreement_raises_on_every_rank_within_seconds_and_names_each_v
 
 def test_a_token_count_mismatch_is_reported_as_such_not_as_a_checksum():
     # the fields are checked in their declared order: the count before the checksum of the ids
-    from vparallel_ce.validate import Facts
+    from vparallel_ce.agreement import Facts
     import dataclasses
 
     names = [f.name for f in dataclasses.fields(Facts)]
@@ -150,7 +150,7 @@ def test_a_token_count_mismatch_is_reported_as_such_not_as_a_checksum():
 
 def test_the_exchange_row_has_the_same_length_for_every_op_and_option():
     from vparallel_ce.options import Options
-    from vparallel_ce.validate import Facts
+    from vparallel_ce.agreement import Facts
 
     t = torch.zeros(3, dtype=torch.long)
     rows = [

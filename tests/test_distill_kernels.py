@@ -162,7 +162,7 @@ _PLAN_CHECKS = textwrap.dedent(
     r"""
     import torch
     from vparallel_ce import kernels
-    from vparallel_ce.call import distillation_call, linear_distillation_call
+    from vparallel_ce.distillation_call import distillation_call, linear_distillation_call
     from vparallel_ce.kernels import triton_distill
     from vparallel_ce.options import Options
     from vparallel_ce.topk import TopKTeacher

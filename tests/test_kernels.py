@@ -307,13 +307,13 @@ _TARGET_FACTS_CHECKS = textwrap.dedent(
     import os, sys
     import torch
     from vparallel_ce.kernels.targets import target_facts, word_checksum
-    from vparallel_ce import validate
+    from vparallel_ce import checksums
     device = sys.argv[1]
     g = torch.Generator().manual_seed(0)
 
-    def mixed(i, v):  # validate.target_checksum's mix of one (position, id), in Python integers
+    def mixed(i, v):  # checksums.target_checksum's mix of one (position, id), in Python integers
         m = (1 << 64) - 1
-        k1, k2, k3 = validate.TARGET_MIX
+        k1, k2, k3 = checksums.TARGET_MIX
         x = (v * k1 + (i + 1) * k2) & m
         x ^= x >> 32 if x < 1 << 63 else (x >> 32) | (m ^ (m >> 32))  # an arithmetic shift
         x = (x * k3) & m
@@ -334,7 +334,7 @@ _TARGET_FACTS_CHECKS = textwrap.dedent(
             if bad is not None:
                 u[n // 2] = bad
             expected = want(u, ignore)
-            assert int(validate.target_checksum(u)) == expected[2], (n, ignore, bad, "torch version")
+            assert int(checksums.target_checksum(u)) == expected[2], (n, ignore, bad, "torch version")
             got = target_facts(u.to(device), ignore).tolist()
             assert got == expected, (n, ignore, bad, got, expected)
             for vocab in (50, 51, 1 << 41):  # the flag of the deferred check: an id outside [0, vocab)
@@ -362,7 +362,7 @@ _TARGET_FACTS_CHECKS = textwrap.dedent(
             assert target_facts(cycled.to(device), ignore)[2] != target_facts(t.to(device), ignore)[2], n
     for n in (1, 4095, 65536, 65536 * 2 + 3):  # one word; a partial tile; one program; three
         words = torch.randint(-(1 << 31), 1 << 31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
-        want_sum = int(validate.word_checksum(words))
+        want_sum = int(checksums.word_checksum(words))
         assert int(word_checksum(words.to(device))) == want_sum, n
         if n > 1:  # two words swapped: another checksum
             assert int(word_checksum(words.flip(0).contiguous().to(device))) != want_sum, n

@@ -443,7 +443,7 @@ def test_at_world_1_a_bad_target_raises_once_the_first_matmul_is_queued_and_befo
     # model's whole forward), and the error still comes before the op returns anything
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from vparallel_ce.validate import DeferredTargetCheck
+    from vparallel_ce.target_check import DeferredTargetCheck
 
     hidden, weight, _, target = make_case(17, tokens=(4, 16), vocab=64)
     target[2, 3] = 64
@@ -536,7 +536,7 @@ def test_when_the_check_would_wait_for_the_device_a_bad_target_gives_nan_and_the
     # on CUDA a host read of the span waits for the queue; with a backward to follow the forward
     # does not read it: NaN outputs (never a plausible number), and the backward raises once its
     # kernels are queued. Simulated here by making the CPU check report that it would wait.
-    from vparallel_ce.validate import DeferredTargetCheck
+    from vparallel_ce.target_check import DeferredTargetCheck
 
     monkeypatch.setattr(DeferredTargetCheck, "waits_on_device", property(lambda self: not self.settled))
     hidden, weight, bias, target = make_case(8, tokens=(4, 6), vocab=40)
@@ -554,7 +554,7 @@ def test_on_cuda_a_bad_target_gives_nan_in_forward_and_raises_in_backward():
 def test_on_cuda_the_deferred_check_reuses_its_pinned_pair_only_once_settled():
     # the pinned span and its event are pooled (host time before the first GEMM); a check still
     # pending keeps its pair, so a later call's copy never lands in its buffer or vice versa
-    from vparallel_ce.validate import DeferredTargetCheck
+    from vparallel_ce.target_check import DeferredTargetCheck
 
     good = torch.tensor([1, 5, -100], device="cuda")
     bad = torch.tensor([1, 70, -100], device="cuda")

@@ -314,7 +314,7 @@ def one_gemm_rank(rank, world, group, vocabs) -> list[str]:
     tokens, H_s = 16), in forward (mean) and recomputed in backward (none), against the float64
     reference; with a student bias the plan keeps the fp32 sum. A spy on the gradient buffers
     says which way each call went."""
-    from vparallel_ce.linear import Grads
+    from vparallel_ce.chunk_walk import Grads
 
     kept_calls = []
     original = Grads.kept_rows
@@ -473,7 +473,7 @@ def test_triton_row_passes_count_only_the_logits_gradient_as_a_temporary():
 
 def test_both_distillation_ops_plan_auto_chunks_by_the_distillation_model():
     # what the front doors hand the autograd Functions: the distillation plan, not the CE's
-    from vparallel_ce.call import distillation_call, linear_distillation_call
+    from vparallel_ce.distillation_call import distillation_call, linear_distillation_call
     from vparallel_ce.options import Options
     from vparallel_ce.policy import ChunkPolicy, DistillShape
 
@@ -549,7 +549,7 @@ def test_the_walk_hands_chunk_0s_logits_over_once_and_keeps_no_reference_to_them
     import weakref
 
     from vparallel_ce import linear_distillation as ld
-    from vparallel_ce.call import linear_distillation_call
+    from vparallel_ce.distillation_call import linear_distillation_call
     from vparallel_ce.options import Options
 
     g = torch.Generator().manual_seed(0)

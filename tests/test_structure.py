@@ -14,18 +14,22 @@ def _modules():
         yield name, path, ast.parse(path.read_text())
 
 
-def _internal_imports(name: str, tree: ast.Module, is_package: bool) -> set[str]:
-    """Modules of the package that ``name`` imports at module level."""
+def _internal_imports(name: str, tree: ast.Module, is_package: bool, modules) -> set[str]:
+    """Modules of the package that ``name`` imports anywhere: at module level or inside a function
+    (an import deferred into a function still ties the two modules together). ``from . import x``
+    imports the module ``x`` where there is one, else the name ``x`` of the package's
+    ``__init__``."""
     base = name if is_package else name.rsplit(".", 1)[0]
     found = set()
-    for node in tree.body:
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level:
             parts = base.split(".")
             root = ".".join(parts[: len(parts) - node.level + 1])
-            target = f"{root}.{node.module}" if node.module else root
-            found.add(target)
-            if not node.module:
-                found.update(f"{root}.{a.name}" for a in node.names)
+            if node.module:
+                found.add(f"{root}.{node.module}")
+                continue
+            for a in node.names:
+                found.add(f"{root}.{a.name}" if f"{root}.{a.name}" in modules else root)
     return found
 
 
@@ -45,7 +49,8 @@ def test_only_comm_calls_torch_distributed():
 
 def test_no_import_cycle():
     modules = {name: (path, tree) for name, path, tree in _modules()}
-    graph = {name: {m for m in _internal_imports(name, tree, path.name == "__init__.py") if m in modules and m != name}
+    graph = {name: {m for m in _internal_imports(name, tree, path.name == "__init__.py", modules)
+                   if m in modules and m != name}
              for name, (path, tree) in modules.items()}
     graph.pop("vparallel_ce")  # the package's __init__ re-exports everything
     for deps in graph.values():

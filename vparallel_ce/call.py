@@ -4,23 +4,23 @@
 Megatron drop-in and the pipeline adapter -- go through the same steps, once per call, here:
 
 1. unwrap DTensor inputs to their local shards, taking the group (and the global vocab size) from
-   the mesh;
+   the mesh (:mod:`vparallel_ce.dtensor`);
 2. resolve the group (ProcessGroup, 1-D DeviceMesh or None);
 3. validate the options and tensors locally (:mod:`vparallel_ce.validate`), and read the
-   enclosing ``torch.autocast`` state;
-4. one metadata exchange over the group (:func:`vparallel_ce.validate.agree`): a bad input on any
+   enclosing ``torch.autocast`` state (:mod:`vparallel_ce.autocast`);
+4. one metadata exchange over the group (:func:`vparallel_ce.agreement.agree`): a bad input on any
    rank raises on every rank, the ranks agree on tokens and options, the shard sizes give the
    :class:`~vparallel_ce.layout.VocabLayout` (at world 1 the target range check is deferred to
    the op's forward, :meth:`Call.settle_forward`);
 5. the plan (:meth:`vparallel_ce.policy.ChunkPolicy.plan`) from the call's own knobs.
 
 The autograd Functions then read everything from the ``Call``; nothing after this module looks at
-user arguments again.
+user arguments again. The distillation ops' front doors, which check a teacher beside the student's
+inputs and then run these, are :mod:`vparallel_ce.distillation_call`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -28,21 +28,18 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import comm, invariant, kernels, policy as _policy
-from .divergence import Divergence
+from .agreement import Facts, agree, hidden_checksum, replication_checked
+from .autocast import autocast_dtype
+from .dtensor import _unwrap_linear, _unwrap_logits  # step 1 of the front doors, private to them
 from .layout import VocabLayout
 from .policy import DistillShape, Plan
 from .stats import LossSpec
 from .options import Options
-from .topk import TailMode, TopKTeacher
-from .validate import (
-    DeferredTargetCheck, Facts, Problem, agree, check_call_options, check_linear, check_linear_teacher, check_logits,
-    check_teacher, check_topk_teacher, check_topk_values, deferred_check, hidden_checksum, replication_checked,
-)
-from .verdicts import VERDICTS, tensor_metadata
+from .target_check import DeferredTargetCheck, deferred_check
+from .validate import check_call_options, check_linear, check_logits
+from .verdicts import VERDICTS
 
-__all__ = ["Call", "LogitsInputs", "LinearInputs", "TeacherInputs", "TopKRows", "logits_call", "distillation_call",
-           "linear_call", "linear_distillation_call", "autocast_dtype", "autocast_off", "is_dtensor", "local",
-           "settles_check"]
+__all__ = ["Call", "LogitsInputs", "LinearInputs", "logits_call", "linear_call", "settles_check"]
 
 
 @dataclass(frozen=True)
@@ -187,15 +184,6 @@ class LinearInputs:
     shape: torch.Size
 
 
-@dataclass(frozen=True)
-class TeacherInputs:
-    """The teacher's side of ``linear_distillation_loss``, local and flat (no gradient flows into it)."""
-
-    h: torch.Tensor  # [N, H_t]
-    w: torch.Tensor  # [V_local, H_t]
-    b: torch.Tensor | None  # [V_local]
-
-
 def logits_call(logits, target, *, op: str, group, options: Options, more_checks=None,
                 target_given: bool = True, teacher=None, distillation: DistillShape | None = None,
                 memo: tuple | None = ()) -> tuple[Call, LogitsInputs]:
@@ -234,63 +222,6 @@ def logits_call(logits, target, *, op: str, group, options: Options, more_checks
     if key is not None:
         VERDICTS.remember(key, call.verdict)
     return call, LogitsInputs(_rows(logits, n, lay.local_size), _flat(target), target.shape)
-
-
-@dataclass(frozen=True)
-class TopKRows:
-    """A sparse teacher's rows: ``[N, k]`` int64 GLOBAL ids and float log-probs, and its tail mode."""
-
-    ids: torch.Tensor
-    logprobs: torch.Tensor
-    tail: TailMode
-
-
-def distillation_call(student, teacher, target, *, group, options: Options
-                      ) -> tuple[Call, LogitsInputs, torch.Tensor | TopKRows]:
-    """The front door of :func:`vparallel_ce.distillation_loss`: :func:`logits_call` on the
-    student's logits, with the teacher checked against them -- logits of the same local shape (the
-    same shard of the same vocab), or a :class:`~vparallel_ce.topk.TopKTeacher` whose ids and
-    log-probs have the student's token dims -- and the teacher's rows besides (``[N, V_local]``
-    logits, or :class:`TopKRows`). Without a target the call checks and exchanges a stand-in of
-    zeros (every token counts; ``target_given`` is one of the agreed facts). The ranks agree on the
-    teacher's dtype, and for a sparse teacher on its ``k``, tail mode, ids and log-probs; with
-    ``check``, a sparse teacher's values are checked once the ranks agree on them
-    (:func:`~vparallel_ce.validate.check_topk_values`: the same error on every rank)."""
-    given = target is not None
-    target = target if given else _stand_in_target(student)
-    sparse = isinstance(teacher, TopKTeacher)
-    if sparse:
-        teacher = TopKTeacher(_replicated(teacher.ids, "TopKTeacher.ids"),
-                              _replicated(teacher.logprobs, "TopKTeacher.logprobs"), tail=teacher.tail)
-    else:
-        teacher = local(teacher)
-
-    def more_checks(logits):
-        check = check_topk_teacher if sparse else check_teacher
-        return check(logits, teacher, target_given=given, hard_weight=options.hard_weight)
-
-    memo = _topk_memo(teacher, teacher.ids, teacher.logprobs) if sparse else tensor_metadata(teacher)
-    call, inp = logits_call(student, target, op="distillation_loss", group=group, options=options,
-                            more_checks=more_checks, target_given=given, teacher=teacher, memo=memo,
-                            distillation=_distill_shape(options, (local(student),) + (() if sparse else (teacher,)),
-                                                        dense=not sparse))
-    if not sparse:
-        return call, inp, _rows(teacher, inp.target.numel(), call.layout.local_size)
-    return call, inp, _topk_rows(teacher, call, inp.target, options, given)
-
-
-def _topk_rows(teacher: TopKTeacher, call: Call, target: torch.Tensor, options: Options, given: bool) -> TopKRows:
-    """A (checked, agreed) sparse teacher's ``[N, k]`` rows, its values checked with ``check``
-    (:func:`~vparallel_ce.validate.check_topk_values`, on the tokens that count: all of them
-    without a target) -- with sequence parallelism on each rank's own rows, the ranks joining
-    their verdicts. A compiled op's fake run has no values: its real run checks them."""
-    n, k = target.numel(), teacher.ids.shape[-1]
-    rows = TopKRows(_rows(teacher.ids, n, k).to(torch.int64), _rows(teacher.logprobs, n, k), TailMode(teacher.tail))
-    if options.check and not kernels.is_fake(rows.ids):
-        valid = target != options.ignore_index if given else None
-        check_topk_values(rows.ids, rows.logprobs, valid, call.layout.vocab_size, rows.tail,
-                          group=call.layout.group if call.sequence_parallel else None)
-    return rows
 
 
 def linear_call(hidden, weight, target, bias, *, op: str, group, options: Options, more_checks=None,
@@ -391,94 +322,6 @@ def settles_check(backward):
     return run
 
 
-def linear_distillation_call(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
-                             teacher_bias, *, group, options: Options
-                             ) -> tuple[Call, LinearInputs, TeacherInputs | TopKRows]:
-    """The front door of :func:`vparallel_ce.linear_distillation_loss`: :func:`linear_call` on the
-    student's side, with the teacher's checked against it, and the teacher's local rows besides.
-    A dense teacher (:class:`TeacherInputs`: ``[N, H_t]`` rows, lm_head shard, bias) must see the
-    same tokens and vocab shard on the same device, in the student's dtype outside autocast; a
-    replicated teacher hidden is checked to be replicated too; its DTensors unwrap as the
-    student's (its group is the student's). A sparse teacher (:class:`TopKRows`), given as
-    ``teacher_hidden`` with no teacher weight or bias, holds ``[..., k]`` ids and log-probs over
-    the student's token dims -- with sequence parallelism this rank's tokens, as the hidden
-    states -- and its values are checked as :func:`distillation_call` checks them, the ranks
-    joining their verdicts when each holds its own tokens. Without a target the call exchanges a
-    stand-in of zeros, as :func:`distillation_call`."""
-    given = target is not None
-    target = target if given else _stand_in_target(student_hidden)
-    sp = bool(options.sequence_parallel)
-    if isinstance(teacher_hidden, TopKTeacher):
-        # with sequence parallelism the record holds this rank's tokens, as the hidden states
-        unwrap = (lambda x, _: local(x)) if sp else _replicated
-        teacher = TopKTeacher(unwrap(teacher_hidden.ids, "TopKTeacher.ids"),
-                              unwrap(teacher_hidden.logprobs, "TopKTeacher.logprobs"), tail=teacher_hidden.tail)
-
-        def more_checks(hidden, weight, amp):
-            if teacher_weight is not None or teacher_bias is not None:
-                return Problem(TypeError, "a TopKTeacher in place of teacher_hidden is the whole teacher: pass no "
-                                          "teacher_weight or teacher_bias with it")
-            return check_topk_teacher(hidden, teacher, target_given=given, hard_weight=options.hard_weight,
-                                      student_name="student_hidden")
-
-        memo = _topk_memo(teacher, teacher.ids, teacher.logprobs, teacher_weight, teacher_bias)
-        call, inp = linear_call(student_hidden, student_weight, target, student_bias, op="linear_distillation_loss",
-                                group=group, options=options, more_checks=more_checks, target_given=given,
-                                prefix="student_", teacher=teacher, memo=memo,
-                                distillation=lambda weight, grad_bytes: _distill_shape(
-                                    options, (weight,), (weight.shape[-1], 0), dense=False, grad_bytes=grad_bytes))
-        return call, inp, _topk_rows(teacher, call, inp.target, options, given)
-    memo = tensor_metadata(teacher_hidden, teacher_weight, teacher_bias)
-    if memo is None:  # (plain tensors unwrap to themselves)
-        t_hidden, t_weight, _, t_bias, _, _ = _unwrap_linear(teacher_hidden, teacher_weight, None, teacher_bias, None,
-                                                             sp)
-    else:
-        t_hidden, t_weight, t_bias = teacher_hidden, teacher_weight, teacher_bias
-
-    def more_checks(hidden, weight, amp):
-        return check_linear_teacher(hidden, weight, t_hidden, t_weight, t_bias, autocast_dtype=amp, target_given=given,
-                                    hard_weight=options.hard_weight)
-
-    call, inp = linear_call(student_hidden, student_weight, target, student_bias, op="linear_distillation_loss",
-                            group=group, options=options, more_checks=more_checks, target_given=given,
-                            also_replicated=(t_hidden,), prefix="student_",
-                            memo=memo,
-                            distillation=lambda weight, grad_bytes: _distill_shape(
-                                options, (weight,), (weight.shape[-1], t_weight.shape[-1]), grad_bytes=grad_bytes))
-    return call, inp, TeacherInputs(_rows(t_hidden, inp.target.numel(), t_weight.shape[-1]), t_weight, t_bias)
-
-
-def _topk_memo(teacher: TopKTeacher, *tensors) -> tuple | None:
-    """The front door's memo of a sparse teacher: its ``tensors``' metadata and its tail mode."""
-    meta = tensor_metadata(*tensors)
-    return None if meta is None else (meta, type(teacher.tail), teacher.tail)
-
-
-def _stand_in_target(student):
-    """The target a distillation without one exchanges and checks: zeros of the student's token
-    dims (every token counts; ``target_given`` is one of the agreed facts). None where the input
-    is no tensor (its check reports that)."""
-    base = local(student)
-    if not isinstance(base, torch.Tensor) or base.dim() < 1:
-        return None
-    return torch.zeros(base.shape[:-1], dtype=torch.int64, device=base.device)
-
-
-def _distill_shape(o: Options, logits: tuple, hidden_sizes: tuple[int, int] | None = None, *,
-                   dense: bool = True, grad_bytes: int = 0) -> DistillShape | None:
-    """The distillation memory model's shape of a call whose local passes read tensors like
-    ``logits`` (the student's and a dense teacher's logits, or the lm_head weight whose dtype both
-    linear GEMMs write): they run in Triton where :func:`vparallel_ce.kernels.triton_applies` to
-    every one of them. ``grad_bytes``: :attr:`DistillShape.grad_bytes` (the linear op's). None for
-    a bad divergence: its check reports it before any plan is made."""
-    kind = o.divergence.value if isinstance(o.divergence, Divergence) else o.divergence
-    if kind not in Divergence._value2member_map_:
-        return None
-    row_kernels = dense and all(isinstance(x, torch.Tensor) and kernels.triton_applies(x.device, x.dtype)
-                                for x in logits)
-    return DistillShape(kind, hidden_sizes, row_kernels, grad_bytes)
-
-
 def _divisor(o: Options, device: torch.device) -> torch.Tensor | None:
     """``num_valid_tokens`` as a 0-dim float64 tensor on ``device`` (exact up to 2^53 tokens): made
     by a fill kernel from an int, from a tensor without a host read -- so a negative tensor count,
@@ -513,27 +356,6 @@ def _logits_dtype(asked: torch.dtype | None, matmul: torch.dtype) -> torch.dtype
     return asked if asked is not None and matmul.itemsize < asked.itemsize else None
 
 
-def autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """The enclosing ``torch.autocast`` dtype for ``device``'s type, or None outside autocast."""
-    kind = device.type
-    if kind not in _AUTOCAST_TYPES or not torch.is_autocast_enabled(kind):
-        return None
-    return torch.get_autocast_dtype(kind)
-
-
-def autocast_off(device_type: str):
-    """The context an op's forward and backward run in: autocast off for ``device_type``
-    (the matmul dtype comes from :attr:`Call.matmul_dtype`). Outside autocast, a shared no-op
-    context instead of a ``torch.autocast`` object to build, enter and leave on every call."""
-    if device_type in _AUTOCAST_TYPES and torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return _NO_CONTEXT
-
-
-_AUTOCAST_TYPES = ("cuda", "cpu", "xpu", "hpu", "mps")
-_NO_CONTEXT = contextlib.nullcontext()
-
-
 def _spec(lay: VocabLayout, o: Options) -> LossSpec:
     return LossSpec(lay.vocab_size, o.ignore_index, float(o.label_smoothing), float(o.z_loss),
                     None if o.softcap is None else float(o.softcap), float(o.temperature), o.with_entropy)
@@ -541,116 +363,3 @@ def _spec(lay: VocabLayout, o: Options) -> LossSpec:
 
 def _device(t) -> torch.device:
     return t.device if isinstance(t, torch.Tensor) else torch.device("cpu")
-
-
-# ---------------------------------------------------------------------------------------------
-# DTensor inputs: find the mesh dim the vocab (or tokens) is sharded over and take the local shard.
-
-
-def _dtensor_cls():
-    """``DTensor``, imported on first use (four checks per call: the import statement's own cost
-    added up before every call's first kernel)."""
-    global _DTENSOR
-    if _DTENSOR is False:
-        try:
-            from torch.distributed.tensor import DTensor
-        except ImportError:  # pragma: no cover
-            DTensor = None
-        _DTENSOR = DTensor
-    return _DTENSOR
-
-
-_DTENSOR = False  # not looked up yet
-
-
-def is_dtensor(t) -> bool:
-    cls = _dtensor_cls()
-    return cls is not None and isinstance(t, cls)
-
-
-def local(t):
-    """A DTensor's local shard; anything else as it is."""
-    return t.to_local() if is_dtensor(t) else t
-
-
-def _sharded_mesh_dim(t, dim: int, what: str):
-    """The single mesh dim over which DTensor ``t`` is ``Shard(dim)`` (None if none); the other
-    mesh dims must be Replicate."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    dim = dim % t.ndim
-    found = None
-    for mesh_dim, p in enumerate(t.placements):
-        if isinstance(p, Shard) and p.dim % t.ndim == dim:
-            found = mesh_dim
-        elif not isinstance(p, Replicate):
-            raise ValueError(
-                f"{what} is a DTensor with placements {tuple(t.placements)}: it must be Shard({dim}) over one "
-                "mesh dim and Replicate over the others"
-            )
-    return found
-
-
-def _group_of(t, mesh_dim, group, what):
-    mesh_group = t.device_mesh.get_group(mesh_dim)
-    if group is not None:
-        given = comm.world_size(comm.resolve_group(group))
-        if given != comm.world_size(mesh_group):
-            raise ValueError(
-                f"group has {given} ranks but {what}'s DTensor mesh dim {mesh_dim} has "
-                f"{comm.world_size(mesh_group)}"
-            )
-    return mesh_group
-
-
-def _replicated(t, what: str):
-    """A replicated DTensor's local tensor; plain tensors pass through."""
-    if not is_dtensor(t):
-        return t
-    from torch.distributed.tensor import Replicate
-
-    if not all(isinstance(p, Replicate) for p in t.placements):
-        raise ValueError(f"{what} is a DTensor with placements {tuple(t.placements)}; it must be replicated")
-    return t.to_local()
-
-
-def _unwrap_logits(logits, target, group, vocab_size):
-    """DTensor logits sharded on the last dim -> (local logits, target, group, V)."""
-    if not is_dtensor(logits):
-        return logits, _replicated(target, "target"), group, vocab_size
-    mesh_dim = _sharded_mesh_dim(logits, -1, "logits")
-    full_v = logits.shape[-1]
-    if mesh_dim is None:
-        raise ValueError(
-            f"logits is a DTensor with placements {tuple(logits.placements)}: it must be sharded on its last "
-            "(vocab) dim, e.g. the output of ColwiseParallel(use_local_output=False)"
-        )
-    if vocab_size is not None and vocab_size != full_v:
-        raise ValueError(f"vocab_size={vocab_size} but the DTensor logits have {full_v} classes")
-    group = _group_of(logits, mesh_dim, group, "logits")
-    return logits.to_local(), _replicated(target, "target"), group, full_v
-
-
-def _unwrap_linear(hidden, weight, target, bias, group, sequence_parallel):
-    """DTensor weight (``Shard(0)``) / hidden (Replicate, or ``Shard`` on a token dim with
-    sequence parallelism) -> local tensors, the group and ``V``."""
-    vocab_size = None
-    if is_dtensor(weight):
-        mesh_dim = _sharded_mesh_dim(weight, 0, "weight")
-        if mesh_dim is None or weight.device_mesh.ndim != 1:
-            raise ValueError(
-                f"weight is a DTensor with placements {tuple(weight.placements)} on a {weight.device_mesh.ndim}-D "
-                "mesh: expected the lm_head shard of ColwiseParallel (Shard(0) on a 1-D TP mesh). An FSDP-sharded "
-                "parameter outside its module's forward is not the vocab shard; unshard it first"
-            )
-        vocab_size = weight.shape[0]
-        group = _group_of(weight, mesh_dim, group, "weight")
-        weight = weight.to_local()
-    # with sequence parallelism the local token shard is what the op wants; the target must be
-    # sharded the same way (same local shape)
-    if sequence_parallel:
-        hidden = local(hidden)
-    else:
-        hidden = _replicated(hidden, "hidden (without sequence_parallel)")
-    return hidden, weight, local(target), local(bias), group, vocab_size
-

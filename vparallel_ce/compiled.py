@@ -55,16 +55,18 @@ from torch.fx.experimental.symbolic_shapes import guard_int
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import comm, kernels
-from .call import autocast_dtype, is_dtensor
+from .autocast import autocast_dtype
+from .dtensor import is_dtensor
 from .options import OPTION_NAMES, Options
 from .policy import ChunkPolicy
-from .validate import DeferredTargetCheck, check_call_options
+from .target_check import DeferredTargetCheck
+from .validate import check_call_options
 
 __all__ = ["apply", "register", "front_door", "Start", "KEPT_READ_ONLY"]
 
 #: True while a compiled op's backward runs: its kept logits are outputs of the forward op, which
 #: the graph may read again (a second backward with ``retain_graph``), so the gradient pass writes
-#: into a new buffer instead of over them (:meth:`vparallel_ce.linear.Schedule.gradients`)
+#: into a new buffer instead of over them (:meth:`vparallel_ce.chunk_walk.Schedule.gradients`)
 KEPT_READ_ONLY = contextvars.ContextVar("vparallel_ce_kept_logits_read_only", default=False)
 
 

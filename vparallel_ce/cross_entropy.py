@@ -15,7 +15,8 @@ import torch
 
 from . import compiled
 from .second_order import first_order_only
-from .call import Call, autocast_off, logits_call, settles_check
+from .autocast import autocast_off
+from .call import Call, logits_call, settles_check
 from .options import Options
 from .policy import ChunkPolicy
 from .stats import (

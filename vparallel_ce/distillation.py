@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 
 from . import compiled
-from .call import Call, TopKRows, autocast_off, distillation_call, settles_check
+from .autocast import autocast_off
+from .call import Call, settles_check
+from .distillation_call import TopKRows, distillation_call
 from .divergence import DistillSpec, token_loss
 from .options import Options
 from .policy import ChunkPolicy

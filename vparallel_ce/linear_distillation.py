@@ -38,10 +38,12 @@ from dataclasses import dataclass
 import torch
 
 from . import compiled
-from .call import Call, TopKRows, autocast_off, linear_distillation_call, settles_check
+from .autocast import autocast_off
+from .call import Call, settles_check
+from .distillation_call import TopKRows, linear_distillation_call
 from .divergence import DistillSpec, token_loss
-from .linear import Grads, Rows, Schedule, logits, matmul_inputs, scale_unit_grads, scale_valid_unit_grads
-from .linear import _cat, _keep  # the CE's per-chunk bookkeeping, the same here
+from .chunk_walk import Grads, Rows, Schedule, cat_parts, chunk_losses, scale_unit_grads, scale_valid_unit_grads
+from .gemm import logits, matmul_inputs
 from .options import Options
 from .policy import ChunkPolicy, GradMode, WeightGrad
 from .second_order import first_order_only
@@ -166,11 +168,12 @@ class _Chunk:
 
 
 class _Walk:
-    """The token chunks of one call over its :class:`~vparallel_ce.linear.Rows`: the student's
+    """The token chunks of one call over its :class:`~vparallel_ce.chunk_walk.Rows`: the student's
     inputs in the matmul dtype, the teacher's source made ready, and chunk 0's two logits GEMMs
     launched as soon as the walk is made. The eager op makes it before autograd's Function
     machinery and the forward's own set-up run: from an idle GPU, that host time (tens of
-    microseconds) is time the GPU would wait for its first GEMM. :meth:`logits` hands chunk 0's
+    microseconds) is time the GPU would wait for its first GEMM (the distillation benchmark's
+    from-idle times show it, ``docs/benchmarks.md``). :meth:`logits` hands chunk 0's
     logits over once, so a reference to the walk keeps no logits alive through the other chunks."""
 
     def __init__(self, call: Call, h, w, b, target: torch.Tensor, teacher, target_given: bool):
@@ -288,7 +291,7 @@ class _LinearDistillation(torch.autograd.Function):
                     # first GEMMs are queued (at world 1 it launches the target check)
                     n_valid = call.valid_count(target, walk.all_local, of_target=target_given)
                 st = source.math.statistics(s, t, ch.local_t, ch.owned, spec, call.layout, call.ops(s))
-                per_token.append(_keep(rows, c, token_loss(st, ch.valid, spec), call.reduction))
+                per_token.append(chunk_losses(rows, c, token_loss(st, ch.valid, spec), call.reduction))
                 if in_forward:
                     unit = token_weights(ch.valid, n_valid, call.reduction, st.divergence.dtype)
                     _add_grads(grads, rows, c, ch, s, t, st, unit, spec, wm, source.math)
@@ -301,7 +304,7 @@ class _LinearDistillation(torch.autograd.Function):
             elif any(need):
                 ctx.save_for_backward(h, w, b, target, *teacher.tensors)
                 ctx.teacher, ctx.stats, ctx.n_valid = teacher, stats, n_valid
-            return call.loss_output(ctx, call.ops(wm), _cat(per_token), n_valid)
+            return call.loss_output(ctx, call.ops(wm), cat_parts(per_token), n_valid)
 
     @staticmethod
     @first_order_only("linear_distillation_loss")

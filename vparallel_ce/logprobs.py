@@ -24,10 +24,12 @@ import torch
 
 from . import compiled
 from .second_order import first_order_only
-from .call import Call, autocast_off, linear_call, logits_call, settles_check
+from .autocast import autocast_off
+from .call import Call, linear_call, logits_call, settles_check
 from .options import Options
 from .cross_entropy import logits_gradient, logits_statistics
-from .linear import Grads, KeptLogits, Schedule, matmul_inputs
+from .chunk_walk import Grads, KeptLogits, Schedule
+from .gemm import matmul_inputs
 from .policy import ChunkPolicy
 from .stats import compute_dtype, logprob_grad_coefs
 
@@ -175,7 +177,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
 
 class _LinearTokenLogprobs(torch.autograd.Function):
-    """Forward: the statistics step of the call's :class:`~vparallel_ce.linear.Schedule`;
+    """Forward: the statistics step of the call's :class:`~vparallel_ce.chunk_walk.Schedule`;
     backward: its gradient step (logits recomputed)."""
 
     @staticmethod

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
-from .call import is_dtensor
+from .dtensor import is_dtensor
 from .cross_entropy import cross_entropy
 from .layout import VocabLayout, shard_sizes
 from .linear import linear_cross_entropy

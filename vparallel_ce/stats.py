@@ -23,7 +23,7 @@ Forward, per chunk -- the only data that crosses ranks are a few floats per toke
    -> ``lse = m + log S`` and ``H = log S - E / S`` (every term is relative to the max, so logits
    of large magnitude lose nothing to cancellation). Exactly one rank owns each valid target, so
    the summed ``z_t`` is the target's logit (targets are range-checked,
-   :func:`vparallel_ce.validate.agree`).
+   :func:`vparallel_ce.agreement.agree`).
 
 Backward, per chunk -- local only. Every op's gradient has the one form::
 

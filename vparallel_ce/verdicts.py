@@ -3,10 +3,12 @@
 A training loop calls its loss with the same shapes, dtypes, devices and options every step. At
 world 1 (no group) the front door's checks and the plan read nothing else of the tensors: the one
 check of their values, the target range check, is a kernel of each call
-(:class:`~vparallel_ce.validate.DeferredTargetCheck`). So a call whose metadata equal those of an
+(:class:`~vparallel_ce.target_check.DeferredTargetCheck`). So a call whose metadata equal those of an
 earlier call that passed takes that call's :class:`~vparallel_ce.call.Call` and makes only its
-per-call parts (the divisor, the pending target check). From an idle GPU, the front door's host
-time is time the GPU waits before the first GEMM.
+per-call parts (the divisor, the pending target check), in a copy that skips the dataclass
+machinery (:meth:`~vparallel_ce.call.Call.again`). From an idle GPU, the front door's host time is
+time the GPU waits before the first GEMM: what this saves shows in the distillation benchmark's
+from-idle times (``docs/benchmarks.md``).
 
 Nothing is remembered for a call on a group (its exchange reads values every call), while dynamo
 traces, for an input that is not a plain tensor (a DTensor, a fake tensor), or for a call that

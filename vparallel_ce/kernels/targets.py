@@ -1,10 +1,10 @@
 """The front door's target range check, target checksum and replication checksum, one launch each
-(:func:`vparallel_ce.validate.agree`).
+(:func:`vparallel_ce.agreement.agree`).
 
 ``[lo, hi, checksum]`` with ``lo = min(0, smallest valid id)`` and ``hi = max(0, largest valid id)`` (ignored
 ids count as 0): every valid id lies in ``[0, V)`` exactly when ``lo >= 0`` and ``hi < V``, and an
 out-of-range id, if any, is ``lo`` (when negative) or ``hi``. ``checksum`` is what the ranks of a group
-compare: a sum over positions of a mix of (position, id) (:func:`vparallel_ce.validate.target_checksum`,
+compare: a sum over positions of a mix of (position, id) (:func:`vparallel_ce.checksums.target_checksum`,
 whose torch version this kernel reproduces bit for bit), exact in any order since integer sums
 wrap, and changed by any permutation or shift of the ids. Given the vocab size, the same launch
 writes whether an id is out of range and the valid ids' count, the ``"mean"``'s divisor (NaN on a
@@ -14,7 +14,7 @@ that spends ~40 us per launched op leaves the GPU idle for each of them. One pro
 whole target vector (8 KiB per 1024 tokens), so the GPU time is a few microseconds at training sizes.
 
 :func:`word_checksum` is the same idea over the 32-bit words of the hidden states
-(:func:`vparallel_ce.validate.word_checksum`), in one read at memory speed.
+(:func:`vparallel_ce.checksums.word_checksum`), in one read at memory speed.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import triton.language as tl
 
 __all__ = ["target_facts", "word_checksum"]
 
-from ..validate import TARGET_MIX, WORD_MIX
+from ..checksums import TARGET_MIX, WORD_MIX
 
-# the mixing constants of vparallel_ce.validate.target_checksum / word_checksum, as constexpr (a
+# the mixing constants of vparallel_ce.checksums.target_checksum / word_checksum, as constexpr (a
 # kernel may read no other global)
 _K1, _K2, _K3 = (tl.constexpr(k) for k in TARGET_MIX)
 _W1, _W2 = (tl.constexpr(k) for k in WORD_MIX)
@@ -111,7 +111,7 @@ def _word_checksum_kernel(X, N, OUT, BLOCK: tl.constexpr, TILES: tl.constexpr):
 
 
 def word_checksum(words: torch.Tensor) -> torch.Tensor:
-    """:func:`vparallel_ce.validate.word_checksum` of a contiguous 1-D int32 tensor (0-dim int64, on
+    """:func:`vparallel_ce.checksums.word_checksum` of a contiguous 1-D int32 tensor (0-dim int64, on
     its device), in one read at memory speed (torch's version is several passes)."""
     n = words.numel()
     programs = triton.cdiv(n, _WORDS * _TILES)

@@ -25,7 +25,9 @@ import triton
 import triton.language as tl
 
 from .. import stats
-from . import KernelBackend, interpreting, triton_distill
+from . import triton_distill
+from .backend import KernelBackend
+from .config import interpreting
 
 __all__ = ["OPS", "local_stats", "grad_logits", "grad_logits_", "loss_stats_grad_", "scale_rows"]
 

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .. import divergence
 from ..divergence import Divergence, DistillSteps
-from . import interpreting
+from .config import interpreting
 
 __all__ = ["STEPS", "maxima", "sums", "mixture_sums", "grad"]
 

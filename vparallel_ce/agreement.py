@@ -1,0 +1,431 @@
+"""The cross-rank agreement: one fixed-size metadata exchange per call.
+
+Every rank all-gathers one row of int64s: a flag for a local input problem
+(:class:`~vparallel_ce.validate.Problem`, raised on EVERY rank), its vocab rows, the lowest and
+highest valid target id (:mod:`vparallel_ce.target_check`) and its :class:`Facts`, everything the
+ranks must agree on. Ranks that disagree raise the same error, naming the fact and each rank's
+value, and never hang in a later collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import struct
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from . import comm, kernels
+from .checksums import target_checksum, word_checksum
+from .layout import VocabLayout, shard_sizes
+from .options import Options
+from .divergence import DIVERGENCES
+from .policy import DEFAULT_POLICY
+from .stats import REDUCTIONS
+from .target_check import DeferredTargetCheck, deferred_check
+from .target_check import _check_targets, _torch_span  # the group's span is checked as the world-1 one
+from .topk import TAIL_MODES
+from .validate import SCHEDULES, InvalidInputError, Problem
+
+__all__ = ["agree", "Agreement", "Facts", "OPS", "hidden_checksum", "replication_unchecked", "replication_checked"]
+
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool)
+
+
+OPS = ("cross_entropy", "linear_cross_entropy", "token_logprobs", "linear_token_logprobs", "distillation_loss",
+       "linear_distillation_loss")
+
+
+_INPUT_NAMES = ("grad mode", "input", "weight", "bias")
+
+
+def _dtype_code(dtype) -> int:
+    if dtype is None:
+        return -1
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def _show_dtype(code: int) -> str:
+    return "None" if code < 0 else str(_DTYPES[code]) if code < len(_DTYPES) else "another dtype"
+
+
+def _float_code(x) -> int:
+    """A float as the int64 of its bits: compared exactly and shown back as the float."""
+    return int.from_bytes(struct.pack("<d", float(x)), "little", signed=True)
+
+
+def _show_float(code: int) -> str:
+    return repr(struct.unpack("<d", code.to_bytes(8, "little", signed=True))[0])
+
+
+def _show_choice(choices):
+    return lambda code: repr(choices[code]) if 0 <= code < len(choices) else "?"
+
+
+def _show_chunks(code: int) -> str:
+    return "'auto'" if code == -1 else str(code)
+
+
+def _show_softcap(code: int) -> str:
+    return "None" if code == _NO_SOFTCAP else _show_float(code)
+
+
+def _show_grads(code: int) -> str:
+    if not code & 1:
+        return "grad mode off"
+    names = [n for i, n in enumerate(_INPUT_NAMES) if i and code >> i & 1]
+    return "requires grad: " + (", ".join(names) if names else "none")
+
+
+_NO_SOFTCAP = _float_code(float("nan")) ^ 1  # no float has these bits
+
+
+_NO_FACT = 0  # a fact that does not apply to the op, or that a rank with bad input cannot make
+
+
+def _shown(show, *, per_rank: bool = False):
+    """A field's metadata: how its code reads in a message; ``per_rank``: with sequence
+    parallelism each rank holds other tokens, so the value is not compared."""
+    return field(metadata=dict(show=show, per_rank=per_rank))
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What every rank of a group must agree on before the op's first collective, as integer codes:
+    one int64 row per rank, the same length whatever the op, its options and inputs, so that ranks
+    that disagree on any of them still gather rows that match up and raise the same error. Fields
+    are checked in their order here (a rank holding other tokens is reported as that, not as a
+    checksum that differs). Build with :meth:`of`."""
+
+    op: int = _shown(_show_choice(OPS))
+    sequence_parallel: int = _shown(lambda c: str(bool(c)))
+    input_dtype: int = _shown(_show_dtype)
+    weight_dtype: int = _shown(_show_dtype)
+    bias_dtype: int = _shown(_show_dtype)
+    target_dtype: int = _shown(_show_dtype)
+    hidden_size: int = _shown(str)
+    # the backward's collectives (dh over the group, rows with sequence parallelism) run where an
+    # input needs a gradient: ranks that differ would leave one waiting for the others
+    grads: int = _shown(_show_grads)
+    reduction: int = _shown(_show_choice(REDUCTIONS))
+    chunks: int = _shown(_show_chunks)
+    schedule: int = _shown(_show_choice(SCHEDULES))
+    recompute: int = _shown(lambda c: {-1: "None", 0: "False", 1: "True"}.get(c, "?"))
+    fused_kernels: int = _shown(lambda c: str(bool(c)))
+    ignore_index: int = _shown(str)
+    # the mean's divisor, if given (_NO_COUNT: none); a tensor count rides on the exchange as it is
+    num_valid_tokens: object = _shown(lambda c: "None" if c == _NO_COUNT else str(c))
+    label_smoothing: int = _shown(_show_float)
+    z_loss: int = _shown(_show_float)
+    softcap: int = _shown(_show_softcap)
+    temperature: int = _shown(_show_float)
+    # the statistics carry the entropy (one more value per token in the all-reduces)
+    entropy: int = _shown(lambda c: str(bool(c)))
+    # the distillation's math: each decides what the per-chunk all-reduces carry, and the loss
+    divergence: int = _shown(_show_choice(DIVERGENCES))
+    beta: int = _shown(_show_float)
+    hard_weight: int = _shown(_show_float)
+    # distillation without a target counts every token; with one, ignore_index decides
+    target_given: int = _shown(lambda c: str(bool(c)))
+    # the distillation's teacher: its logits' (or top-k log-probs') dtype -- it may differ from the
+    # student's, but not from rank to rank -- and for a top-k teacher its k, tail mode and values,
+    # which decide the per-chunk all-reduce's size and every rank's loss (-1 / 0: dense or no teacher)
+    teacher_dtype: int = _shown(_show_dtype)
+    teacher_k: int = _shown(lambda c: "dense logits" if c < 0 else str(c))
+    teacher_tail: int = _shown(lambda c: "None" if c < 0 else _show_choice(TAIL_MODES)(c))
+    # (with sequence parallelism a sparse teacher's rows are each rank's own tokens', as the hidden states)
+    teacher_ids_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
+    teacher_logprobs_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
+    # the lm_head matmuls' dtype (torch.autocast's inside it): it decides the plan and the kernels
+    matmul_dtype: int = _shown(_show_dtype)
+    # the logits' dtype as asked (None: the matmul dtype): it decides their precision and the plan's memory
+    logits_dtype: int = _shown(_show_dtype)
+    chunk_policy: int = _shown(lambda c: f"a ChunkPolicy with CRC {c}")
+    # the order of every sum (tiles, rank-ordered SUM): ranks that differ would run other collectives
+    batch_invariant: int = _shown(lambda c: str(bool(c)))
+    token_count: int = _shown(str, per_rank=True)
+    # position-sensitive (target_checksum): a permutation of the ids, or ids shifted by one, is a
+    # different checksum
+    target_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
+    # hidden states must be replicated over the group (hidden_checksum: position-sensitive, exact)
+    hidden_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
+
+    @classmethod
+    def of(cls, *, op: str, options: Options, inputs: tuple, target: torch.Tensor, target_checksum,
+           hidden_checksum=_NO_FACT, fused: bool = False, matmul_dtype: torch.dtype | None = None,
+           target_given: bool = True, teacher=None) -> "Facts":
+        """``inputs``: the op's float inputs, ``(logits,)`` or ``(hidden, weight, bias)``;
+        ``fused``, ``matmul_dtype``: the linear ops' kernels and lm_head matmul dtype (False and
+        None for the logits ops); ``target_given``: False for a distillation without a target
+        (``target`` is then a stand-in of zeros); ``teacher``: the distillation's (checked) teacher,
+        its logits or a :class:`~vparallel_ce.topk.TopKTeacher`, else None."""
+        o = options
+        first, weight, bias = (*inputs, None, None)[:3]
+        grads = int(torch.is_grad_enabled())
+        for i, t in enumerate((first, weight, bias)):
+            grads |= int(t is not None and t.requires_grad) << (i + 1)
+        return cls(
+            OPS.index(op), int(bool(o.sequence_parallel)), _dtype_code(first.dtype),
+            _dtype_code(None if weight is None else weight.dtype), _dtype_code(None if bias is None else bias.dtype),
+            _dtype_code(target.dtype), -1 if weight is None else weight.shape[-1], grads,
+            REDUCTIONS.index(o.reduction), -1 if o.chunks == "auto" else int(o.chunks), SCHEDULES.index(o.schedule),
+            {None: -1, False: 0, True: 1}[o.recompute], int(bool(fused)), int(o.ignore_index),
+            _count_code(o.num_valid_tokens, target.device),
+            _float_code(o.label_smoothing), _float_code(o.z_loss),
+            _NO_SOFTCAP if o.softcap is None else _float_code(o.softcap), _float_code(o.temperature),
+            int(o.with_entropy), DIVERGENCES.index(o.divergence), _float_code(o.beta), _float_code(o.hard_weight),
+            int(target_given), *_teacher_codes(teacher), _dtype_code(matmul_dtype), _dtype_code(o.logits_dtype),
+            _policy_code(o.policy), int(o.batch_invariant), target.numel(), target_checksum, hidden_checksum)
+
+    def row(self) -> list:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+
+def _teacher_codes(teacher) -> tuple:
+    """``(dtype, k, tail, ids checksum, logprobs checksum)`` of a distillation's teacher."""
+    if teacher is None:
+        return -1, -1, -1, _NO_FACT, _NO_FACT
+    if isinstance(teacher, torch.Tensor):
+        return _dtype_code(teacher.dtype), -1, -1, _NO_FACT, _NO_FACT
+    ids, logprobs = teacher.ids, teacher.logprobs
+    return (_dtype_code(logprobs.dtype), ids.shape[-1], TAIL_MODES.index(teacher.tail),
+            target_checksum(ids.reshape(-1).to(torch.int64)), hidden_checksum(logprobs))
+
+
+_NO_COUNT = -(2**63)  # num_valid_tokens=None: no count, negative or not, has this code
+
+
+def _count_code(count, device):
+    """``num_valid_tokens`` as a fact: :data:`_NO_COUNT` for None, an int as it is, a tensor as an
+    int64 on the exchange's device (no host read; a negative one is refused after the exchange)."""
+    if count is None:
+        return _NO_COUNT
+    if isinstance(count, torch.Tensor):
+        return count.reshape(()).to(device, torch.int64)
+    return int(count)
+
+
+_FACT_FIELDS = dataclasses.fields(Facts)
+
+
+_HEAD = 5  # problem flag, vocab rows, vocab_size claim, lowest and highest valid target id
+
+
+def _policy_code(policy) -> int:
+    """The chunk policy as one integer (a CRC of its fields): ranks whose policies differ (say, a
+    budget from each rank's free memory) would plan different chunk counts and deadlock in the
+    per-chunk collectives."""
+    return zlib.crc32(repr(dataclasses.astuple(policy or DEFAULT_POLICY)).encode())
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """The outcome of a call's exchange: the layout of this rank's vocab shard, the token count of
+    every rank (known from the exchange; None without one), and at world 1 the target check still
+    to settle."""
+
+    layout: VocabLayout
+    counts: tuple[int, ...] | None = None
+    pending: DeferredTargetCheck | None = None
+
+
+def agree(
+    problem: Problem | None,
+    group,
+    *,
+    local_size: Callable[[], int],
+    facts: Callable[[torch.Tensor], Facts],
+    device,
+    options: Options,
+    vocab_size: int | None,
+    target: torch.Tensor,
+) -> Agreement:
+    """The one metadata exchange of a call: raise ``problem`` on every rank, check that the ranks
+    agree on the call's :class:`Facts` and that the shard sizes form the torch.chunk layout.
+
+    Args:
+        problem: this rank's local input problem, or None.
+        group: resolved ProcessGroup or None.
+        local_size: this rank's vocab rows (called only when ``problem`` is None).
+        facts: makes this rank's :class:`Facts` from its target checksum -- only for an exchange
+            (at world 1 they would be host time before the first GEMM), and only when ``problem``
+            is None (a rank with bad input sends zeros: the row has the same length either way).
+        options: the call's options. ``check``: exchange (one all-gather of a fixed number of
+            int64s) and check; needed anyway when the vocab size is unknown, skipped otherwise with
+            ``check=False``, and then a problem raises locally. ``policy``: shown field by field if
+            the ranks' policies differ.
+        vocab_size: the global vocab size if the caller knows it (given, or a DTensor's).
+        target: the target (its checksum is compared); with ``check``, every valid id (not
+            ``ignore_index``) of every rank's ``target`` must lie in ``[0, V)``: checked here on a
+            group; at world 1 by the returned :attr:`Agreement.pending`, which the op settles.
+    """
+    check, ignore_index, policy = options.check, options.ignore_index, options.policy
+    world = comm.world_size(group)
+    # only check=False with a known vocab size skips the exchange (a check that is not a bool is a
+    # problem to report through it)
+    exchange = check is not False or vocab_size is None
+    if problem is not None and (world == 1 or not exchange):
+        problem.raise_()
+    span = check is True
+    if world == 1:
+        v = local_size() if vocab_size is None else vocab_size
+        if v != local_size():
+            raise ValueError(f"vocab_size={vocab_size} but the unsharded input has {local_size()} classes")
+        return Agreement(VocabLayout.of_rank(None, 1, 0, v), None, deferred_check(target, options, v))
+    me = comm.rank(group)
+    counts = None
+    if exchange:
+        ok = problem is None
+        # a rank with bad input sends no claim: its vocab_size may be what is bad (not an int64)
+        mine = [int(not ok), local_size() if ok else 0, -1 if vocab_size is None or not ok else vocab_size]
+        if ok:
+            lo, hi, checksum = _target_facts(target, ignore_index).unbind()
+            mine += ([lo, hi] if span else [0, 0]) + facts(checksum).row()
+        else:
+            mine += [0, 0] + [_NO_FACT] * len(_FACT_FIELDS)
+        rows = comm.all_gather_ints(mine, group, device)
+        bad = [r for r, row in enumerate(rows) if row[0]]
+        if bad:  # every rank sees the same rows, so every rank takes this second exchange
+            messages = comm.all_gather_objects(None if ok else problem.message, group)
+            if problem is not None:
+                problem.raise_()
+            raise InvalidInputError("invalid input on rank(s) " + "; ".join(f"{r}: {messages[r]}" for r in bad))
+        _check_facts([row[_HEAD:] for row in rows], group, policy)
+        _check_count(rows[0][_HEAD + _NUM_VALID])
+        vocab_size = _check_sizes([row[1] for row in rows], [row[2] for row in rows], vocab_size, world)
+        if span:
+            _check_targets([row[3:5] for row in rows], vocab_size)
+        counts = tuple(row[_HEAD + _COUNT] for row in rows)
+    lay = VocabLayout.of_rank(group, world, me, vocab_size)
+    if lay.local_size != local_size():
+        raise ValueError(
+            f"rank {me} holds {local_size()} vocab rows, but the torch.chunk layout of V={vocab_size} "
+            f"over {world} ranks gives it {lay.local_size}"
+        )
+    return Agreement(lay, counts, None)
+
+
+_COUNT = [f.name for f in _FACT_FIELDS].index("token_count")
+
+
+_NUM_VALID = [f.name for f in _FACT_FIELDS].index("num_valid_tokens")
+
+
+def _check_count(code: int) -> None:
+    """A tensor ``num_valid_tokens`` is only read here, from the exchange (the ranks agree on it
+    by now): a negative count raises on every rank. (Without an exchange a negative count makes
+    the loss nan: :func:`vparallel_ce.call._divisor`.)"""
+    if code != _NO_COUNT and code < 0:
+        raise InvalidInputError(f"num_valid_tokens must be >= 0, got {code}")
+
+
+_SP = [f.name for f in _FACT_FIELDS].index("sequence_parallel")
+
+
+def _check_facts(rows: list[list[int]], group, policy) -> None:
+    """Raise the same error on every rank at the first fact the ranks disagree on (every rank
+    holds every row), naming it and each rank's value."""
+    sequence_parallel = rows[0][_SP]
+    for i, f in enumerate(_FACT_FIELDS):
+        if f.metadata["per_rank"] and sequence_parallel:
+            continue
+        values = [row[i] for row in rows]
+        if len(set(values)) == 1:
+            continue
+        if f.name == "chunk_policy":  # a CRC names nothing: every rank sends its policy itself
+            shown = [repr(p) for p in comm.all_gather_objects(policy or DEFAULT_POLICY, group)]
+        else:
+            shown = [f.metadata["show"](v) for v in values]
+        per_rank = ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown))
+        hint = {
+            "target_checksum": "every rank must pass the same target ids in the same order",
+            "teacher_ids_checksum": "every rank must pass the same TopKTeacher ids (global vocab ids, not this "
+                                    "rank's shard of them)",
+            "teacher_logprobs_checksum": "every rank must pass the same TopKTeacher logprobs",
+            "hidden_checksum": "hidden (and linear_distillation_loss's teacher_hidden) must be replicated over the "
+                               "group (the same values on every rank); a "
+                               "token-sharded hidden needs sequence_parallel=True. Inside a "
+                               "torch.distributed.pipelining schedule wrap the loss in "
+                               "vparallel_ce.pipeline.PipelineLoss (its first step's shape inference passes "
+                               "uninitialised outputs), or pass check_replicated=False",
+            "grads": "run the op with the same autograd state on every rank: its backward joins the ranks",
+        }.get(f.name, "every rank of the group must pass the same tokens and options")
+        raise InvalidInputError(f"ranks of the vocab-parallel group disagree on {f.name.replace('_', ' ')}: "
+                                f"{per_rank} ({hint})")
+
+
+def _check_sizes(sizes: list[int], claims: list[int], vocab_size: int | None, world: int) -> int:
+    """The shard sizes against the claimed vocab size and the torch.chunk layout; the same error on
+    every rank when they do not fit."""
+    if len(set(claims)) > 1:
+        raise ValueError(f"ranks of the group disagree on vocab_size: {[None if c < 0 else c for c in claims]}")
+    total = sum(sizes)
+    if vocab_size is not None and total != vocab_size:
+        raise ValueError(
+            f"shard sizes {sizes} add up to {total}, but vocab_size is {vocab_size}: "
+            "each rank must pass its torch.chunk slice of the vocab"
+        )
+    expected = shard_sizes(total, world)
+    if sizes != expected:
+        raise ValueError(
+            f"vocab shard sizes over the group are {sizes}; the torch.chunk layout of V={total} "
+            f"over {world} ranks is {expected} (rank r must hold torch.chunk(full, {world}, -1)[r])"
+        )
+    return total
+
+
+def _target_facts(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``[lo, hi, checksum]`` (int64, on the target's device): every valid id of ``target`` lies in
+    ``[lo, hi]``, both inside ``[0, V)`` exactly when every valid id is, and an out-of-range id, if
+    any, is one of them; ``checksum`` is :func:`target_checksum`."""
+    t = target.reshape(-1)
+    if t.numel() == 0:
+        return torch.zeros(3, dtype=torch.int64, device=t.device)
+    found = kernels.target_facts(t, ignore_index)  # one launch on a GPU
+    if found is not None:
+        return found
+    lo, hi, _ = _torch_span(t, ignore_index)
+    return torch.stack([lo, hi, target_checksum(t.to(torch.int64))])
+
+
+_REPLICATION_CHECKED = contextvars.ContextVar("vparallel_ce_replication_checked", default=True)
+
+
+@contextlib.contextmanager
+def replication_unchecked():
+    """Inside the block the linear ops do not check that ``hidden`` is replicated (as with
+    ``check_replicated=False``): what :class:`vparallel_ce.pipeline.PipelineLoss` wraps its loss in,
+    since a pipeline schedule's first step calls the loss on uninitialised stage outputs (shape
+    inference), which differ over the TP ranks and whose result is discarded."""
+    token = _REPLICATION_CHECKED.set(False)
+    try:
+        yield
+    finally:
+        _REPLICATION_CHECKED.reset(token)
+
+
+def replication_checked() -> bool:
+    """False inside :func:`replication_unchecked`."""
+    return _REPLICATION_CHECKED.get()
+
+
+def hidden_checksum(x: torch.Tensor) -> torch.Tensor:
+    """:func:`word_checksum` of ``x``'s bytes (0-dim int64 on its device): what the ranks compare to
+    know that ``hidden`` is replicated (exact, nan included, unlike a float sum, which need not
+    come out the same on every rank). Read as 32-bit words where the bytes split into them (on a
+    GPU in one Triton read), else element by element widened to words -- a choice made from the
+    shape and dtype alone, so ranks holding the same values always make the same one."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=x.device)
+    if (x.numel() * x.element_size()) % 4 == 0:
+        words = x.contiguous().view(-1).view(torch.int32)
+        found = kernels.word_checksum(words)
+        return found if found is not None else word_checksum(words)
+    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    return word_checksum(x.contiguous().view(-1).view(as_int).to(torch.int32))

@@ -1,0 +1,49 @@
+"""The kernel backends' shape: :class:`KernelBackend`, one implementation of the per-chunk steps
+(:data:`TORCH_OPS`: the torch reference of :mod:`vparallel_ce.stats`), and :class:`FusedLinear`,
+the lm_head GEMM fused with a row pass (:mod:`vparallel_ce.kernels` hands these on).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .. import stats
+from ..divergence import TORCH_STEPS, DistillSteps
+
+__all__ = ["FusedLinear", "KernelBackend", "TORCH_OPS"]
+
+
+@dataclass(frozen=True)
+class FusedLinear:
+    """The lm_head GEMM fused with a row pass (:mod:`.fused_linear`): ``covers(h, w, spec)`` says
+    where it takes the inputs; ``stats(h, w, b, local_t, owned, spec)`` is the statistics of the
+    logits ``h w^T + b`` (never written); ``grad_logits_for(h, local_t, owned, shift, coefs,
+    spec)`` makes a chunk's ``(w_block, b_block, col_offset) -> dx`` of recomputed logits."""
+
+    covers: Callable
+    stats: Callable
+    grad_logits_for: Callable
+
+
+@dataclass
+class KernelBackend:
+    """One implementation of the per-chunk steps, chosen once per call (:func:`ops_for`), with what
+    it can do as fields. ``grad_logits_``: the gradient written over logits the op owns (None:
+    out of place); ``fused``: the lm_head GEMM fused with the row passes (None: cuBLAS + them);
+    ``distill``: the distillation ops' local passes over a dense teacher's and the student's logits
+    (:class:`vparallel_ce.divergence.DistillSteps`); ``reduce``: the per-token losses to the
+    call's output (:func:`vparallel_ce.stats.reduce`)."""
+
+    name: str
+    local_stats: Callable
+    grad_logits: Callable
+    loss_stats_grad_: Callable
+    scale_rows: Callable
+    grad_logits_: Callable | None = None
+    fused: FusedLinear | None = None
+    distill: DistillSteps = TORCH_STEPS
+    reduce: Callable = stats.reduce
+
+
+TORCH_OPS = KernelBackend("torch", stats.local_stats, stats.grad_logits, stats.loss_stats_grad_, stats.scale_rows)
