@@ -13,7 +13,8 @@ torchtitan is imported, this script makes its device lookup answer "cpu" with a 
 has the few functions torchtitan calls (memory numbers: peak RSS), makes FSDP's gradient reduction
 use plain sums, since gloo has no PREMUL_SUM (FSDP uses it for torchtitan's divide factor of 1),
 gives ``torch.distributed`` the ``set_timeout`` that torchtitan 0.3.0 calls after the first step
-(torch 2.13 has it only on process groups), and skips the trainer's 2-second sleep after its last
+(torch 2.13 has it only on process groups), lets torch 2.13's pipeline schedules take the
+microbatches torchtitan 0.3.0 splits itself, and skips the trainer's 2-second sleep after its last
 step (a pause for other ranks' logs). :func:`debugmodel` is the config the tests train. Nothing
 else changes: the trainer, the losses and the log lines are torchtitan's. Test helper only; not
 part of the library.
@@ -83,6 +84,33 @@ def with_set_timeout() -> None:
         torch.distributed.set_timeout = set_timeout
 
 
+def with_presplit_pipeline_step() -> None:
+    """torchtitan 0.3.0 hands pipeline schedules microbatches it split itself,
+    ``step(arg_mbs=, kwarg_mbs=, target_mbs=, ...)``; torch 2.13's ``step`` takes the whole batch
+    and splits it along dim 0. Where ``step`` lacks ``arg_mbs``, the microbatches are concatenated
+    and torch splits them again into the same equal microbatches."""
+    import inspect
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    def whole(parts):
+        return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0]
+
+    for cls in (PipelineScheduleSingle, PipelineScheduleMulti):
+        if "arg_mbs" in inspect.signature(cls.step).parameters:
+            continue
+
+        def step(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, _step=cls.step, **kwargs):
+            if arg_mbs:
+                args = tuple(whole(list(parts)) for parts in zip(*arg_mbs))
+            if kwarg_mbs and kwarg_mbs[0]:
+                kwargs.update({key: whole([mb[key] for mb in kwarg_mbs]) for key in kwarg_mbs[0]})
+            target = torch.cat(target_mbs) if target_mbs else None
+            return _step(self, *args, target=target, **kwargs)
+
+        cls.step = step
+
+
 def without_final_sleep(module: types.ModuleType) -> None:
     """``module.time`` as the time module with a ``sleep`` that returns at once."""
     clock = types.ModuleType("time")
@@ -125,6 +153,7 @@ def runs(argv: list[str]) -> list[list[str]]:
 if __name__ == "__main__":
     use_cpu()
     with_set_timeout()
+    with_presplit_pipeline_step()
     import torchtitan.trainer
     from torchtitan.train import main
 
