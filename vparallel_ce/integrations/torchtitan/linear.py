@@ -41,7 +41,7 @@ from torchtitan.tools.logging import logger
 import vparallel_ce
 from vparallel_ce.policy import ChunkPolicy
 
-from . import options as _options
+from .options import common_options, policy, recompute
 from .tensor_parallel import check_backend, hidden_grad_for_decoder, tp_group
 
 __all__ = ["VParallelLinearCrossEntropyLoss"]
@@ -94,9 +94,9 @@ class VParallelLinearCrossEntropyLoss(ChunkedLossWrapper):
                 f"CrossEntropyLoss.Config (which gives global_vocab_size), got {type(config.loss_fn).__qualname__}"
             )
         super().__init__(config)
-        opts = {**_options.common_options(config), "schedule": str(config.schedule).strip().lower(),
-                "recompute": _options.recompute(config.recompute), "ignore_index": IGNORE_INDEX,
-                "policy": _options.policy(budget_mib=config.budget_mib, memory_mib=config.memory_mib)}
+        opts = {**common_options(config), "schedule": str(config.schedule).strip().lower(),
+                "recompute": recompute(config.recompute), "ignore_index": IGNORE_INDEX,
+                "policy": policy(budget_mib=config.budget_mib, memory_mib=config.memory_mib)}
         # build_loss_fn checks every option now, so a bad value raises when torchtitan builds the loss
         self.options = vparallel_ce.build_loss_fn("fused", **opts).options
         self.fn = self._loss

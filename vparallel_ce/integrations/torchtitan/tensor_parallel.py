@@ -20,7 +20,6 @@ Without TP every backend gives plain full-vocab tensors.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchtitan.distributed.spmd_types import current_spmd_mesh, spmd_mesh_size
@@ -57,6 +56,6 @@ def hidden_grad_for_decoder(full_grad: torch.Tensor, group) -> torch.Tensor:
     as for the partial gradients of its own lm_head: one rank hands the sum on and the others zeros
     (the backward of spmd_types' ``convert(R, I)``), so the norm's sum is the full gradient once.
     DTensor and unsharded gradients go back as they are."""
-    if group is None or dist.get_rank(group) == 0:
+    if group is None or group.rank() == 0:
         return full_grad
     return torch.zeros_like(full_grad)
