@@ -1,16 +1,23 @@
-"""Run torchtitan's own trainer (``torchtitan.train.main(Trainer)``) on CPU with gloo.
+"""Run torchtitan 0.3's own trainer (``torchtitan.train.main``) on CPU with gloo, several times.
 
-    torchrun --nproc-per-node 2 tests/torchtitan_cpu.py <torchtitan.train arguments>
+    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/torchtitan_cpu.py \
+        <arguments of every run> --and <arguments of run 1> --and <arguments of run 2> ...
 
-torchtitan 0.2.2 takes "cuda" when no accelerator is found and calls CUDA-only functions. Before
+Each rank runs the trainer once per ``--and`` group, one after the other in the same process (the
+trainer destroys its process groups at the end and the next run makes new ones), printing
+``vparallel-run: K`` before run K: torchtitan's import, which takes most of a short CPU run, is paid
+once per rank instead of once per run.
+
+torchtitan takes "cuda" when no accelerator is found and calls CUDA-only functions. Before
 torchtitan is imported, this script makes its device lookup answer "cpu" with a device module that
-has the few functions torchtitan calls (memory numbers: peak RSS), and makes FSDP's gradient
-reduction use plain sums, since gloo has no PREMUL_SUM (FSDP uses it for torchtitan's divide
-factor of 1); it skips the trainer's 2-second sleep after its last step (a pause for other ranks'
-logs; here every rank has finished its last collective by then, and the tests launch the trainer
-a dozen times) and ends the process once the trainer returns (see the end). Nothing else changes:
-the trainer, the train specs and the log lines are torchtitan's. Test helper only; not part of
-the library.
+has the few functions torchtitan calls (memory numbers: peak RSS), makes FSDP's gradient reduction
+use plain sums, since gloo has no PREMUL_SUM (FSDP uses it for torchtitan's divide factor of 1),
+gives ``torch.distributed`` the ``set_timeout`` that torchtitan 0.3.0 calls after the first step
+(torch 2.13 has it only on process groups), lets torch 2.13's pipeline schedules take the
+microbatches torchtitan 0.3.0 splits itself, and skips the trainer's 2-second sleep after its last
+step (a pause for other ranks' logs). :func:`debugmodel` is the config the tests train. Nothing
+else changes: the trainer, the losses and the log lines are torchtitan's. Test helper only; not
+part of the library.
 """
 
 from __future__ import annotations
@@ -67,6 +74,43 @@ def use_cpu() -> None:
     FSDPModule.set_gradient_divide_factor = set_factor_with_sums
 
 
+def with_set_timeout() -> None:
+    """torchtitan 0.3.0 calls ``torch.distributed.set_timeout(timeout, group)`` after the first step;
+    torch 2.13 has no such function, only the process groups' own ``set_timeout``."""
+    if not hasattr(torch.distributed, "set_timeout"):
+        def set_timeout(timeout, group=None):
+            (group or torch.distributed.distributed_c10d._get_default_group()).set_timeout(timeout)
+
+        torch.distributed.set_timeout = set_timeout
+
+
+def with_presplit_pipeline_step() -> None:
+    """torchtitan 0.3.0 hands pipeline schedules microbatches it split itself,
+    ``step(arg_mbs=, kwarg_mbs=, target_mbs=, ...)``; torch 2.13's ``step`` takes the whole batch
+    and splits it along dim 0. Where ``step`` lacks ``arg_mbs``, the microbatches are concatenated
+    and torch splits them again into the same equal microbatches."""
+    import inspect
+
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
+
+    def whole(parts):
+        return torch.cat(parts) if isinstance(parts[0], torch.Tensor) else parts[0]
+
+    for cls in (PipelineScheduleSingle, PipelineScheduleMulti):
+        if "arg_mbs" in inspect.signature(cls.step).parameters:
+            continue
+
+        def step(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, _step=cls.step, **kwargs):
+            if arg_mbs:
+                args = tuple(whole(list(parts)) for parts in zip(*arg_mbs))
+            if kwarg_mbs and kwarg_mbs[0]:
+                kwargs.update({key: whole([mb[key] for mb in kwarg_mbs]) for key in kwarg_mbs[0]})
+            target = torch.cat(target_mbs) if target_mbs else None
+            return _step(self, *args, target=target, **kwargs)
+
+        cls.step = step
+
+
 def without_final_sleep(module: types.ModuleType) -> None:
     """``module.time`` as the time module with a ``sleep`` that returns at once."""
     clock = types.ModuleType("time")
@@ -75,14 +119,53 @@ def without_final_sleep(module: types.ModuleType) -> None:
     module.time = clock
 
 
+def debugmodel():
+    """``--module tests.torchtitan_cpu --config debugmodel``: torchtitan's ``llama3_debugmodel_ce_loss``
+    (its debug Llama with its plain ``CrossEntropyLoss``), with SDPA attention (torchtitan's flex
+    attention has no backward on CPU), fp32 parameters (FSDP's bf16 mixed precision makes every
+    matmul take CPU's slow bf16 path) and no activation checkpointing (a few steps on a tiny
+    model)."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel_ce_loss
+
+    config = llama3_debugmodel_ce_loss()
+    for layer in config.model_spec.model.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config.activation_checkpoint = None
+    config.training.mixed_precision_param = "float32"
+    return config
+
+
+def runs(argv: list[str]) -> list[list[str]]:
+    """``common --and a --and b`` -> ``[common + a, common + b]`` (``[common]`` without ``--and``)."""
+    groups, current = [], []
+    for arg in argv:
+        if arg == "--and":
+            groups.append(current)
+            current = []
+        else:
+            current.append(arg)
+    groups.append(current)
+    common, own = groups[0], groups[1:] or [[]]
+    return [common + extra for extra in own]
+
+
 if __name__ == "__main__":
     use_cpu()
-    import torchtitan.train
-    from torchtitan.train import Trainer, main
+    with_set_timeout()
+    with_presplit_pipeline_step()
+    import torchtitan.trainer
+    from torchtitan.train import main
 
-    without_final_sleep(torchtitan.train)
-    main(Trainer)
-    # The trainer has finished and destroyed its process groups. Interpreter finalization can
+    without_final_sleep(torchtitan.trainer)
+    ports = os.environ.get("MASTER_PORTS", os.environ.get("MASTER_PORT", "")).split(",")
+    for k, args in enumerate(runs(sys.argv[1:])):
+        print(f"vparallel-run: {k}", flush=True)
+        # a fresh rendezvous port per run: rank 0's store of the previous run may still hold its port
+        os.environ["MASTER_PORT"] = ports[k % len(ports)]
+        sys.argv = [sys.argv[0], *args]
+        main()
+    # Every trainer has finished and destroyed its process groups. Interpreter finalization can
     # still abort ("terminate called without an active exception") when gloo's worker threads are
     # torn down after the interpreter (a known gloo teardown race, seen about once in a CI run
     # under load): exit here instead, once every log line is out. A failing trainer raises above.

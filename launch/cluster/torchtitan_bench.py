@@ -1,23 +1,31 @@
 #!/usr/bin/env python
-"""torchtitan's own trainer on one of its llama3 flavors cut to fewer layers, and a summary of runs.
+"""torchtitan 0.3's own trainer on one of its configs cut to fewer layers, with a chosen loss; and a
+summary of runs.
 
-    torchrun --nproc-per-node 1 launch/cluster/torchtitan_bench.py --flavor 8B --layers 12 -- <torchtitan.train args>
-    python launch/cluster/torchtitan_bench.py --summarize llama3=A.log llama3_vparallel=B.log ... > results.jsonl
+    torchrun --nproc-per-node 1 launch/cluster/torchtitan_bench.py --layers 12 --loss fused -- \\
+        --module llama3 --config llama3_8b <torchtitan.train args>
+    python launch/cluster/torchtitan_bench.py --summarize chunked=A.log plain=B.log fused=C.log > results.jsonl
 
-Train: registers the flavor ``{flavor}_{layers}layers`` (the flavor's TransformerModelArgs with
-``n_layers`` replaced) in torchtitan's llama3 flavors -- which the vparallel specs share -- imports
-vparallel_ce.integrations.torchtitan, adds ``--model.flavor`` and runs ``torchtitan.train.main``.
+Train: parses the torchtitan arguments with torchtitan's ``ConfigManager``, keeps the first
+``--layers`` decoder layers of the model config, sets the loss and runs torchtitan's ``Trainer``:
+
+* ``plain``: torchtitan's ``CrossEntropyLoss`` on the full logits;
+* ``chunked``: torchtitan's ``ChunkedLossWrapper`` (8 sequence chunks; the llama3 configs' own);
+* ``logits``: vparallel_ce's ``VParallelCrossEntropyLoss`` on the full logits;
+* ``fused``: vparallel_ce's ``VParallelLinearCrossEntropyLoss`` (lm_head fused, chunks="auto").
+
+torchtitan 0.3.0 calls ``torch.distributed.set_timeout`` after the first step, which torch 2.13
+and older lack; this script gives it one (the process groups' own ``set_timeout``).
 
 Summarize: reads torchtitan's log lines (``step: N  loss: X  grad_norm: G  memory: M GiB(P%)  tps: T``)
 and prints one JSON line per run: step-1 loss, the max abs loss gap to the first run over their
 common steps, peak reserved memory and the median tps of steps >= 2 (step 1 includes warm-up).
-launch/cluster/torchtitan_gpu.sh runs the three specs and this summary.
+launch/cluster/torchtitan_gpu.sh runs the losses and this summary.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import statistics
@@ -25,6 +33,7 @@ import sys
 
 LINE_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-0-9.]+)\s+grad_norm:\s*([-0-9.]+)\s+memory:\s*([0-9.]+)GiB"
                      r"\(([0-9.]+)%\)\s+tps:\s*([0-9,]+)")
+LOSSES = ("plain", "chunked", "logits", "fused")
 
 
 def parse_log(text: str) -> dict[int, dict]:
@@ -53,18 +62,59 @@ def summarize(runs: dict[str, dict[int, dict]]) -> list[dict]:
     return rows
 
 
-def add_flavor(flavor: str, layers: int) -> None:
-    from torchtitan.models import llama3
+def with_loss(config, loss: str):
+    """``config`` (a torchtitan ``Trainer.Config`` whose loss is a cross-entropy) with ``loss``."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 
-    llama3.llama3_args[f"{flavor}_{layers}layers"] = dataclasses.replace(llama3.llama3_args[flavor], n_layers=layers)
+    from vparallel_ce.integrations.torchtitan import overrides
+
+    vocab = overrides.cross_entropy_of(config.loss).global_vocab_size
+    config.loss = {
+        "plain": lambda: CrossEntropyLoss.Config(global_vocab_size=vocab),
+        "chunked": lambda: ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab)),
+        "logits": lambda: overrides.vparallel_cross_entropy(config.loss),
+        "fused": lambda: overrides.vparallel_linear_cross_entropy(config.loss),
+    }[loss]()
+    return config
+
+
+def with_set_timeout() -> None:
+    import torch.distributed as dist
+
+    if not hasattr(dist, "set_timeout"):
+        def set_timeout(timeout, group=None):
+            (group or dist.distributed_c10d._get_default_group()).set_timeout(timeout)
+
+        dist.set_timeout = set_timeout
+
+
+def train(args: list[str], *, layers: int | None, loss: str) -> None:
+    import torch
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import init_logger, logger
+
+    with_set_timeout()
+    init_logger()
+    config = ConfigManager().parse_args(args)
+    if layers is not None:
+        config.model_spec.model.layers = config.model_spec.model.layers[:layers]
+    with_loss(config, loss)
+    logger.info(f"torchtitan_bench: {len(config.model_spec.model.layers)} layers, loss {type(config.loss).__name__}")
+    trainer = config.build()
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def main() -> None:
     argv = sys.argv[1:]
     own, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--flavor", default="8B")
     p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--loss", choices=LOSSES, default="fused")
     p.add_argument("--summarize", nargs="+", metavar="NAME=LOG")
     a = p.parse_args(own)
     if a.summarize:
@@ -76,15 +126,7 @@ def main() -> None:
         for row in summarize(runs):
             print(json.dumps(row))
         return
-    flavor = a.flavor if a.layers is None else f"{a.flavor}_{a.layers}layers"
-    # before torchtitan is imported: its ConfigManager.parse_args defaults to sys.argv[1:] as it was then
-    sys.argv = [sys.argv[0], *rest, "--model.flavor", flavor]
-    if a.layers is not None:
-        add_flavor(a.flavor, a.layers)
-    import vparallel_ce.integrations.torchtitan  # noqa: F401  (registers the specs)
-    from torchtitan.train import Trainer, main as train_main
-
-    train_main(Trainer)
+    train(rest, layers=a.layers, loss=a.loss)
 
 
 if __name__ == "__main__":
