@@ -150,11 +150,15 @@ def test_the_module_wrappers_take_the_count_per_call():
 
 
 def test_a_negative_tensor_count_without_an_exchange_is_nan_never_a_number():
+    """With ``check=False`` (and in the reference module) nothing reads the count: the loss is nan.
+    With the check (the default) it raises at world 1 as on a group (tests/test_trust.py)."""
     h, w, t = _case()
-    for fn in (lambda n: vparallel_ce.linear_cross_entropy(h, w, t, num_valid_tokens=n),
-               lambda n: vparallel_ce.cross_entropy(h @ w.T, t, num_valid_tokens=n),
+    for fn in (lambda n: vparallel_ce.linear_cross_entropy(h, w, t, num_valid_tokens=n, check=False),
+               lambda n: vparallel_ce.cross_entropy(h @ w.T, t, num_valid_tokens=n, check=False),
                lambda n: vparallel_ce.build_loss_fn("naive")(h @ w.T, t, num_valid_tokens=n)):
         assert torch.isnan(fn(torch.tensor(-5))).item()
+    with pytest.raises(vparallel_ce.InvalidInputError, match="num_valid_tokens must be >= 0, got -5"):
+        vparallel_ce.cross_entropy(h @ w.T, t, num_valid_tokens=torch.tensor(-5))
 
 
 def test_the_reference_module_checks_the_count_as_the_ops_do():

@@ -36,7 +36,9 @@ import io
 import os
 import pathlib
 import re
+import sys
 import textwrap
+import types
 
 import pytest
 
@@ -97,7 +99,12 @@ def _namespace(**extra) -> dict:
     import torch
 
     torch.manual_seed(0)
-    return {"__name__": "__doc_snippet__", "torch": torch, **extra}
+    # the snippet's globals are a registered module's: dynamo looks a traced frame's module up by
+    # its globals' __name__ (sys.modules), so a snippet that calls torch.compile needs one there
+    module = types.ModuleType("__doc_snippet__")
+    module.__dict__.update(torch=torch, **extra)
+    sys.modules[module.__name__] = module
+    return module.__dict__
 
 
 def _run(setup: str, code: str, label: str, is_doctest: bool, ns: dict) -> dict:

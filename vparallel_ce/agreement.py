@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import dataclasses
 import struct
+import warnings
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +32,8 @@ from .target_check import _check_targets, _torch_span  # the group's span is che
 from .topk import TAIL_MODES
 from .validate import SCHEDULES, InvalidInputError, Problem
 
-__all__ = ["agree", "Agreement", "Facts", "OPS", "hidden_checksum", "replication_unchecked", "replication_checked"]
+__all__ = ["agree", "Agreement", "Facts", "OPS", "hidden_checksum", "shard_checksum", "replication_unchecked",
+           "replication_checked"]
 
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
@@ -214,7 +216,7 @@ def _count_code(count, device):
 _FACT_FIELDS = dataclasses.fields(Facts)
 
 
-_HEAD = 5  # problem flag, vocab rows, vocab_size claim, lowest and highest valid target id
+_HEAD = 6  # problem flag, vocab rows, vocab_size claim, lowest and highest valid target id, shard sample
 
 
 def _policy_code(policy) -> int:
@@ -245,6 +247,8 @@ def agree(
     options: Options,
     vocab_size: int | None,
     target: torch.Tensor,
+    shard: Callable[[], torch.Tensor] | None = None,
+    shard_name: str = "logits",
 ) -> Agreement:
     """The one metadata exchange of a call: raise ``problem`` on every rank, check that the ranks
     agree on the call's :class:`Facts` and that the shard sizes form the torch.chunk layout.
@@ -264,6 +268,10 @@ def agree(
         target: the target (its checksum is compared); with ``check``, every valid id (not
             ``ignore_index``) of every rank's ``target`` must lie in ``[0, V)``: checked here on a
             group; at world 1 by the returned :attr:`Agreement.pending`, which the op settles.
+        shard: makes this rank's :func:`shard_checksum` of its vocab shard (the logits, or the
+            lm_head weight): where the vocab size is unknown, ranks that all hold the same shard
+            (the full, unsharded tensor on every rank) are refused (:func:`_check_distinct_shards`);
+            ``shard_name`` names it in the message.
     """
     check, ignore_index, policy = options.check, options.ignore_index, options.policy
     world = comm.world_size(group)
@@ -277,7 +285,8 @@ def agree(
         v = local_size() if vocab_size is None else vocab_size
         if v != local_size():
             raise ValueError(f"vocab_size={vocab_size} but the unsharded input has {local_size()} classes")
-        return Agreement(VocabLayout.of_rank(None, 1, 0, v), None, deferred_check(target, options, v))
+        return Agreement(VocabLayout.of_rank(None, 1, 0, v), None,
+                         deferred_check(target, options, v, of_logits=not shard_name.endswith("weight")))
     me = comm.rank(group)
     counts = None
     if exchange:
@@ -286,9 +295,10 @@ def agree(
         mine = [int(not ok), local_size() if ok else 0, -1 if vocab_size is None or not ok else vocab_size]
         if ok:
             lo, hi, checksum = _target_facts(target, ignore_index).unbind()
-            mine += ([lo, hi] if span else [0, 0]) + facts(checksum).row()
+            sample = shard() if shard is not None and vocab_size is None else _NO_FACT
+            mine += ([lo, hi] if span else [0, 0]) + [sample] + facts(checksum).row()
         else:
-            mine += [0, 0] + [_NO_FACT] * len(_FACT_FIELDS)
+            mine += [0, 0, _NO_FACT] + [_NO_FACT] * len(_FACT_FIELDS)
         rows = comm.all_gather_ints(mine, group, device)
         bad = [r for r, row in enumerate(rows) if row[0]]
         if bad:  # every rank sees the same rows, so every rank takes this second exchange
@@ -298,17 +308,33 @@ def agree(
             raise InvalidInputError("invalid input on rank(s) " + "; ".join(f"{r}: {messages[r]}" for r in bad))
         _check_facts([row[_HEAD:] for row in rows], group, policy)
         _check_count(rows[0][_HEAD + _NUM_VALID])
+        if shard is not None and all(row[2] < 0 for row in rows):  # no rank claims a vocab size
+            _check_distinct_shards([row[1] for row in rows], [row[5] for row in rows], shard_name,
+                                   highest=max(row[4] for row in rows))
         vocab_size = _check_sizes([row[1] for row in rows], [row[2] for row in rows], vocab_size, world)
         if span:
-            _check_targets([row[3:5] for row in rows], vocab_size)
+            _check_targets([row[3:5] for row in rows], vocab_size, of_logits=not shard_name.endswith("weight"))
         counts = tuple(row[_HEAD + _COUNT] for row in rows)
     lay = VocabLayout.of_rank(group, world, me, vocab_size)
     if lay.local_size != local_size():
-        raise ValueError(
-            f"rank {me} holds {local_size()} vocab rows, but the torch.chunk layout of V={vocab_size} "
-            f"over {world} ranks gives it {lay.local_size}"
-        )
+        lay = _unchecked_layout(lay, local_size(), exchange)
     return Agreement(lay, counts, None)
+
+
+def _unchecked_layout(lay: VocabLayout, rows: int, exchanged: bool) -> VocabLayout:
+    """A rank whose shard is not its torch.chunk share of the vocab. After an exchange every rank
+    has found that already (the sizes were compared); without one (``check=False`` with a known
+    vocab size) this rank is the only one that knows, and an error here would leave the others
+    waiting in the op's first collective until the process group's timeout. So it warns and goes
+    on over its own rows (the kernels never index past them): ``check=False`` vouches for the
+    layout, and the loss is then wrong."""
+    message = (f"rank {lay.rank} holds {rows} vocab rows, but the torch.chunk layout of V={lay.vocab_size} over "
+               f"{lay.world} ranks gives it {lay.local_size}")
+    if exchanged:
+        raise ValueError(message)
+    warnings.warn(f"{message}: with check=False this rank cannot tell the others, so the call goes on and its loss "
+                  "is wrong; fix vocab_size or the shards (check=True raises this on every rank)", stacklevel=4)
+    return dataclasses.replace(lay, local_size=rows)
 
 
 _COUNT = [f.name for f in _FACT_FIELDS].index("token_count")
@@ -319,8 +345,9 @@ _NUM_VALID = [f.name for f in _FACT_FIELDS].index("num_valid_tokens")
 
 def _check_count(code: int) -> None:
     """A tensor ``num_valid_tokens`` is only read here, from the exchange (the ranks agree on it
-    by now): a negative count raises on every rank. (Without an exchange a negative count makes
-    the loss nan: :func:`vparallel_ce.call._divisor`.)"""
+    by now), or at world 1 from the deferred check (:class:`DeferredTargetCheck`): a negative count
+    raises on every rank. (With ``check=False`` and no exchange a negative count makes the loss
+    nan: :func:`vparallel_ce.call._divisor`.)"""
     if code != _NO_COUNT and code < 0:
         raise InvalidInputError(f"num_valid_tokens must be >= 0, got {code}")
 
@@ -429,3 +456,51 @@ def hidden_checksum(x: torch.Tensor) -> torch.Tensor:
         return found if found is not None else word_checksum(words)
     as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
     return word_checksum(x.contiguous().view(-1).view(as_int).to(torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Unsharded inputs: the full logits (or lm_head weight) passed on every rank of a group.
+
+SAMPLE_PER_DIM = 16  # at most this many entries along each dim of a shard go into its sample
+
+
+def shard_sample(x: torch.Tensor) -> torch.Tensor:
+    """A strided view of at most :data:`SAMPLE_PER_DIM` entries along each dim of ``x`` (no copy,
+    no kernel): chosen from the shape alone, so ranks holding the same tensor take the same entries.
+    Two vocab shards of a model differ in every column; the sample of identical shards is
+    identical."""
+    return x[tuple(slice(None, None, max(1, -(-n // SAMPLE_PER_DIM))) for n in x.shape)]
+
+
+def shard_checksum(x: torch.Tensor) -> torch.Tensor:
+    """:func:`hidden_checksum` of :func:`shard_sample` (0-dim int64 on ``x``'s device): a read of a
+    few hundred entries whatever the shard's size, where a checksum of the whole ``[N, V_local]``
+    logits would read them all."""
+    return hidden_checksum(shard_sample(x))
+
+
+def _check_distinct_shards(sizes: list[int], samples: list[int], name: str, *, highest: int) -> None:
+    """Refuse, on every rank, a group whose ranks all hold the same non-empty shard: the full
+    ``[..., V]`` tensor passed on every rank, which the torch.chunk layout of ``W * V`` would
+    otherwise accept -- a loss off by ``ln W``. Its targets are ids of the true vocab, all inside
+    the first "shard": ``highest``, the group's highest valid id (0 where the exchange carries no
+    span, ``check=False``), beyond the first shard clears the shards however alike they are. Not
+    told apart: identical shards of a vocab split for real (same-seeded random shards, constant
+    logits) whose targets all fall in the first shard, which the same call with ``vocab_size``
+    given accepts."""
+    if len(sizes) < 2 or len(set(sizes)) > 1 or not sizes[0] or len(set(samples)) > 1 or samples[0] == _NO_FACT:
+        return
+    if highest >= sizes[0]:
+        return
+    per_rank = ", ".join(f"rank {r}: {v:#x}" for r, v in enumerate(samples))
+    world = len(sizes)
+    raise InvalidInputError(
+        f"every rank of the group holds the same {name} ({sizes[0]} vocab entries each; checksum of a sample of "
+        f"each rank's {name}: {per_rank}): is the full, unsharded {name} passed on every rank? Each rank must pass "
+        f"its own torch.chunk shard of the vocab (the full one on {world} ranks reads as a vocab {world} times its "
+        f"size: a cross-entropy off by ln {world}){_HIDDEN_HINT if name.endswith('logits') else ''}. If the shards "
+        "are really identical, pass vocab_size= (the global vocab size) to say so")
+
+
+_HIDDEN_HINT = ("; or, if they are replicated hidden states [..., H] rather than logits, pass them with the lm_head "
+                "weight to the linear op (linear_cross_entropy(hidden, weight, target))")

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import comm, invariant, kernels, policy as _policy
-from .agreement import Facts, agree, hidden_checksum, replication_checked
+from .agreement import Facts, agree, hidden_checksum, replication_checked, shard_checksum
 from .autocast import autocast_dtype
 from .dtensor import _unwrap_linear, _unwrap_logits  # step 1 of the front doors, private to them
 from .layout import VocabLayout
@@ -102,7 +102,8 @@ class Call:
         # runs __init__, copy.copy goes through __reduce_ex__: host time before the GEMM)
         call = object.__new__(type(self))
         call.__dict__.update(vars(self), divisor=_divisor(options, target.device),
-                             pending=deferred_check(target, options, self.layout.vocab_size))
+                             pending=deferred_check(target, options, self.layout.vocab_size,
+                                                    of_logits=self.matmul_dtype is None))
         return call
 
     @property
@@ -213,7 +214,8 @@ def logits_call(logits, target, *, op: str, group, options: Options, more_checks
                         target_given=target_given, teacher=teacher)
 
     agreed = agree(problem, group, local_size=lambda: logits.shape[-1], facts=facts, device=_device(logits),
-                   options=o, vocab_size=vocab_size, target=target)
+                   options=o, vocab_size=vocab_size, target=target, shard=lambda: shard_checksum(logits),
+                   shard_name="student_logits" if teacher is not None else "logits")
     lay, n = agreed.layout, target.numel()
     plan = (o.policy or _policy.DEFAULT_POLICY).plan(n, lay.vocab_size, lay.world, reduction=o.reduction,
                                                       chunks=o.chunks, distillation=distillation)
@@ -279,7 +281,8 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
                         teacher=teacher)
 
     agreed = agree(problem, group, local_size=lambda: weight.shape[0], facts=facts, device=_device(weight),
-                   options=o, vocab_size=vocab_size, target=target)
+                   options=o, vocab_size=vocab_size, target=target, shard=lambda: shard_checksum(weight),
+                   shard_name=f"{prefix}weight")
     lay, pending, n = agreed.layout, agreed.pending, target.numel()
     logits = _logits_dtype(o.logits_dtype, matmul)
     sp = sp and lay.sharded

@@ -47,7 +47,19 @@ def resolve_group(group):
         return group.get_group()
     if isinstance(group, dist.ProcessGroup):
         return group
+    _refuse_non_member(group)
     raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}")
+
+
+def _refuse_non_member(group) -> None:
+    """``dist.new_group`` gives the processes outside the new group a marker, not a group: a loss
+    called with it on such a process is a call outside its group, said as that."""
+    marker = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", object())
+    if group is marker or (isinstance(group, int) and not isinstance(group, bool) and group == marker):
+        me = dist.get_rank() if dist.is_initialized() else "?"
+        raise ValueError(f"this process (global rank {me}) is not a member of the group it passed: "
+                         "dist.new_group gives GroupMember.NON_GROUP_MEMBER to the processes outside the group; "
+                         "call the loss only on the ranks of its group (or pass the group this rank belongs to)")
 
 
 def _device_mesh_cls():
@@ -60,6 +72,11 @@ def _device_mesh_cls():
 
 def world_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
+
+
+def process_count() -> int:
+    """The default process group's size (1 where torch.distributed is not initialised)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def rank(group) -> int:

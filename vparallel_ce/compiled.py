@@ -60,7 +60,6 @@ from .dtensor import is_dtensor
 from .options import OPTION_NAMES, Options
 from .policy import ChunkPolicy
 from .target_check import DeferredTargetCheck
-from .validate import check_call_options
 
 __all__ = ["apply", "register", "front_door", "Start", "KEPT_READ_ONLY"]
 
@@ -114,14 +113,17 @@ def apply(name: str, tensors: tuple, group, options: Options):
     order its :data:`Start` takes them (``(logits, target)``, ``(hidden, weight, target, bias)``,
     ...); constants -- a teacher's tensors -- come detached. Returns the Function's outputs (one
     tensor or a tuple) and the shape of its per-token outputs, as the eager path has them."""
-    op = _OPS[name]
+    op = _op(name)
     if not _one_rank(op, tensors, group):
         return _eager(name, tensors, group, options)
-    problem = check_call_options(options)
-    if problem is not None:
-        problem.raise_()
+    # no check here: an exception raised while dynamo traces reaches the user as dynamo's own error
+    # (with fullgraph=True), so the options and tensors are checked by the front door in the op's
+    # runs -- its fake run, under tracing, lets a refused call through (:func:`_refused`) and its
+    # real run raises what eager raises
     count = options.num_valid_tokens
-    if count is not None and not isinstance(count, torch.Tensor):
+    if _refused_count(count):  # written into the key as it is, for the real run to refuse as eager does
+        count = None
+    elif count is not None and not isinstance(count, torch.Tensor):
         # an int is a constant of the graph (dynamo specialises it) but not of the key, which would
         # otherwise make a new template (_TEMPLATES) for every count
         count = torch.tensor(count, dtype=torch.int64, device=tensors[0].device)
@@ -150,7 +152,7 @@ def _one_rank(op: _Op, tensors: tuple, group) -> bool:
 @torch.compiler.disable
 def _eager(name: str, tensors: tuple, group, options: Options):
     """The eager op, between two graphs."""
-    op = _OPS[name]
+    op = _op(name)
     args, shape = op.start(list(tensors), op=name, group=group, options=options)
     return op.function.apply(*args), shape
 
@@ -164,6 +166,12 @@ _DTYPES = frozenset({"logits_dtype"})  # written by name (a torch.dtype is no li
 _POLICY_FIELDS = tuple(f.name for f in fields(ChunkPolicy) if f.init)
 
 
+def _refused_count(count) -> bool:
+    """A ``num_valid_tokens`` that is neither None, a tensor nor an int >= 0 (its check refuses it)."""
+    return count is not None and not isinstance(count, torch.Tensor) and (
+        type(count) is not int or not 0 <= count <= 2**62)
+
+
 def _key(o: Options, amp) -> str:
     """``o`` (checked), the autocast dtype ``amp`` and the kernel settings as one string: a tuple
     literal of the options, then the two others. Built while dynamo traces, which folds it into a
@@ -173,7 +181,7 @@ def _key(o: Options, amp) -> str:
         v = getattr(o, name)
         if name == "policy" and v is not None:
             v = tuple(getattr(v, f) for f in _POLICY_FIELDS)
-        elif name == "num_valid_tokens" and v is not None:
+        elif name == "num_valid_tokens" and v is not None and not _refused_count(v):
             v = "tensor"
         elif name in _FLOATS and v is not None:
             v = float(v)
@@ -391,14 +399,20 @@ def _placed(present: list, given) -> list:
 
 
 def _forward(name: str, key: str, need: list, inputs: list, count, *, fake: bool) -> list:
-    op = _OPS[name]
+    op = _op(name)
     if fake:
         inputs, count = [_static(t) for t in inputs], _static(count)
-    options = _decode(key)[0]
-    if count is not None:
-        options = replace(options, num_valid_tokens=count)
+    try:
+        options = _decode(key)[0]
+        if count is not None:
+            options = replace(options, num_valid_tokens=count)
+        with torch.no_grad(), _as_traced(key, inputs[0].device):
+            args, _ = op.start(list(inputs), op=name, group=None, options=options)
+    except (ValueError, TypeError):
+        if not fake:
+            raise
+        return _refused(op, key, inputs)
     with torch.no_grad(), _as_traced(key, inputs[0].device):
-        args, _ = op.start(list(inputs), op=name, group=None, options=options)
         ctx = _Ctx(tuple(j is not None and need[j] for j in op.grad_of))
         out = op.function.forward(ctx, *args)
     out = list(out) if isinstance(out, tuple) else [out]
@@ -409,6 +423,25 @@ def _forward(name: str, key: str, need: list, inputs: list, count, *, fake: bool
     if not fake:
         _keep_template(_template_key(name, key, need, inputs + [count]), template)
     return tensors.outputs + tensors.new
+
+
+def _refused(op: _Op, key: str, inputs: list) -> list:
+    """The fake outputs of a call its front door refuses: what the graph needs to be traced on
+    (``op.outputs`` tensors, per token for ``reduction="none"`` and the log-prob ops, else scalars),
+    no state. The real run's front door raises the error eager raises, before any output is read."""
+    reduction = ast.literal_eval(key.rsplit("|", 2)[0])[OPTION_NAMES.index("reduction")]
+    target = inputs[op.target]
+    tokens = target if target is not None else inputs[0][..., 0]
+    per_token = reduction == "none" or op.function.__name__.endswith("Logprobs")
+    dtype = inputs[0].dtype if inputs[0].is_floating_point() else torch.float32
+    shape = (tokens.numel(),) if per_token else ()
+    return [torch.empty(shape, dtype=dtype, device=inputs[0].device) for _ in range(op.outputs)]
+
+
+def _op(name: str) -> _Op:
+    """The registered op of a compiled op's name (after ``@``, what the teacher records: the
+    temperature of a top-k record, :func:`vparallel_ce.teacher.graph_inputs`)."""
+    return _OPS[name.split("@", 1)[0]]
 
 
 @torch.library.custom_op("vparallel_ce::forward", mutates_args=())
@@ -428,7 +461,7 @@ def _forward_fake(name, key, need, present, given, count):
 def _backward_op(name: str, key: str, need: list[bool], present: list[bool], given: list[Tensor],
                  count: Optional[Tensor], saved: list[Tensor], grads: list[Optional[Tensor]]) -> list[Tensor]:
     """The gradients of the inputs that ``need`` them, from the forward op's outputs ``saved``."""
-    op = _OPS[name]
+    op = _op(name)
     inputs = _placed(present, given)
     template = _TEMPLATES[_template_key(name, key, need, inputs + [count])]
     ctx = _fill(template, inputs + [count] + list(saved), {})
@@ -470,7 +503,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grads):
     k = sum(ctx.present)
     given, count, saved = list(ctx.saved_tensors[:k]), ctx.saved_tensors[k], list(ctx.saved_tensors[k + 1:])
-    n = _OPS[ctx.name].outputs
+    n = _op(ctx.name).outputs
     got = iter(torch.ops.vparallel_ce.backward(ctx.name, ctx.key, ctx.need, ctx.present, given, count, saved,
                                                list(grads[:n])))
     # a gradient per given tensor, in order (None where not needed)

@@ -58,13 +58,16 @@ def distillation_call(student, teacher, target, *, group, options: Options
     sparse = isinstance(teacher, TopKTeacher)
     if sparse:
         teacher = TopKTeacher(_replicated(teacher.ids, "TopKTeacher.ids"),
-                              _replicated(teacher.logprobs, "TopKTeacher.logprobs"), tail=teacher.tail)
+                              _replicated(teacher.logprobs, "TopKTeacher.logprobs"), tail=teacher.tail,
+                              temperature=teacher.temperature)
     else:
         teacher = local(teacher)
 
     def more_checks(logits):
-        check = check_topk_teacher if sparse else check_teacher
-        return check(logits, teacher, target_given=given, hard_weight=options.hard_weight)
+        if sparse:
+            return check_topk_teacher(logits, teacher, target_given=given, hard_weight=options.hard_weight,
+                                      temperature=options.temperature)
+        return check_teacher(logits, teacher, target_given=given, hard_weight=options.hard_weight)
 
     memo = _topk_memo(teacher, teacher.ids, teacher.logprobs) if sparse else tensor_metadata(teacher)
     call, inp = logits_call(student, target, op="distillation_loss", group=group, options=options,
@@ -111,14 +114,15 @@ def linear_distillation_call(student_hidden, student_weight, teacher_hidden, tea
         # with sequence parallelism the record holds this rank's tokens, as the hidden states
         unwrap = (lambda x, _: local(x)) if sp else _replicated
         teacher = TopKTeacher(unwrap(teacher_hidden.ids, "TopKTeacher.ids"),
-                              unwrap(teacher_hidden.logprobs, "TopKTeacher.logprobs"), tail=teacher_hidden.tail)
+                              unwrap(teacher_hidden.logprobs, "TopKTeacher.logprobs"), tail=teacher_hidden.tail,
+                              temperature=teacher_hidden.temperature)
 
         def more_checks(hidden, weight, amp):
             if teacher_weight is not None or teacher_bias is not None:
                 return Problem(TypeError, "a TopKTeacher in place of teacher_hidden is the whole teacher: pass no "
                                           "teacher_weight or teacher_bias with it")
             return check_topk_teacher(hidden, teacher, target_given=given, hard_weight=options.hard_weight,
-                                      student_name="student_hidden")
+                                      student_name="student_hidden", temperature=options.temperature)
 
         memo = _topk_memo(teacher, teacher.ids, teacher.logprobs, teacher_weight, teacher_bias)
         call, inp = linear_call(student_hidden, student_weight, target, student_bias, op="linear_distillation_loss",
@@ -148,9 +152,10 @@ def linear_distillation_call(student_hidden, student_weight, teacher_hidden, tea
 
 
 def _topk_memo(teacher: TopKTeacher, *tensors) -> tuple | None:
-    """The front door's memo of a sparse teacher: its ``tensors``' metadata and its tail mode."""
+    """The front door's memo of a sparse teacher: its ``tensors``' metadata, its tail mode and
+    recorded temperature."""
     meta = tensor_metadata(*tensors)
-    return None if meta is None else (meta, type(teacher.tail), teacher.tail)
+    return None if meta is None else (meta, type(teacher.tail), teacher.tail, teacher.temperature)
 
 
 def _stand_in_target(student):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
+from . import comm, kernels
 from .options import Options
 from .validate import InvalidInputError
 
@@ -45,12 +45,18 @@ class DeferredTargetCheck:
     from call to call (one per device, taken out of the pool while a check is pending and put back
     once it is settled), allocating them being host time too. A check abandoned unsettled (its
     forward raised) keeps its pair, so a copy still in flight never lands in a later call's buffer.
+
+    A tensor ``num_valid_tokens`` (``num_valid``) is checked the same way: copied into the pinned
+    memory's last slot behind the span, a negative one making :attr:`bad` true and :meth:`settle`
+    raise -- as the exchange refuses it on a group (no host read at the front door either way).
     """
 
-    _pool: dict = {}  # device -> (pinned int64 [3], event), free pairs only
+    _pool: dict = {}  # device -> (pinned int64 [4]: lo, hi, the kernel's third fact, num_valid), free pairs
 
-    def __init__(self, target: torch.Tensor, ignore_index: int, vocab_size: int):
-        self.vocab_size = vocab_size
+    def __init__(self, target: torch.Tensor, ignore_index: int, vocab_size: int,
+                 num_valid: torch.Tensor | None = None, *, of_logits: bool = False):
+        self.vocab_size, self.of_logits = vocab_size, of_logits
+        self._num_valid = num_valid
         self.on_device = target.is_cuda
         self.event = self.key = self.span = None
         self.settled = False
@@ -73,17 +79,22 @@ class DeferredTargetCheck:
         if self._found is not None:
             return self._found
         target, self._target = self._target, None
+        given = self._num_valid = None if self._num_valid is None else self._num_valid.reshape(()).to(torch.int64)
         if not target.is_cuda:
             self.span, bad, count = _target_span(target, self._ignore_index, self.vocab_size)
         else:
             self.key = target.device
             # dict.pop is atomic, so two threads never take the same pair
             self.span, self.event = self._pool.pop(self.key, None) or (
-                torch.empty(3, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+                torch.empty(4, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
             span, bad, count = _target_span(target, self._ignore_index, self.vocab_size, host=self.span)
             if span.is_cuda:  # the torch version: copied behind its kernels
                 self.span[:2].copy_(span, non_blocking=True)
+            if given is not None:
+                self.span[3:].copy_(given.reshape(1), non_blocking=True)
             self.event.record()
+        if given is not None:
+            bad = bad | (given.to(bad.device, non_blocking=True) < 0)
         self._found = (bad, count)
         return self._found
 
@@ -109,9 +120,12 @@ class DeferredTargetCheck:
         if self.event is not None:
             self.event.synchronize()
         lo, hi = self.span[:2].tolist()
+        given = None if self._num_valid is None else int(self.span[3] if self.event is not None else self._num_valid)
         if self.event is not None:  # the copy has landed and been read: the pair is free again
             self._pool[self.key] = (self.span, self.event)
-        _check_targets([[lo, hi]], self.vocab_size)
+        _check_targets([[lo, hi]], self.vocab_size, of_logits=self.of_logits)
+        if given is not None and given < 0:  # (the exchange's message: vparallel_ce.agreement._check_count)
+            raise InvalidInputError(f"num_valid_tokens must be >= 0, got {given}")
 
     def __del__(self):
         # a check whose backward never ran (the loss was dropped) gives its pair back once its copy
@@ -120,13 +134,17 @@ class DeferredTargetCheck:
             self._pool[self.key] = (self.span, self.event)
 
 
-def deferred_check(target: torch.Tensor, options: Options, vocab_size: int) -> DeferredTargetCheck | None:
+def deferred_check(target: torch.Tensor, options: Options, vocab_size: int, *,
+                   of_logits: bool = False) -> DeferredTargetCheck | None:
     """The target range check a world-1 call leaves pending (None: ``check`` is off, or the target
     is fake -- torch.compile tracing the op's shapes -- whose ids the compiled op's own run checks,
-    :mod:`vparallel_ce.compiled`)."""
+    :mod:`vparallel_ce.compiled`). ``of_logits``: the classes are the last dim of logits (not an
+    lm_head's rows), for the error's hints."""
     if options.check is not True or kernels.is_fake(target):
         return None
-    return DeferredTargetCheck(target, options.ignore_index, vocab_size)
+    count = options.num_valid_tokens
+    return DeferredTargetCheck(target, options.ignore_index, vocab_size,
+                               count if isinstance(count, torch.Tensor) else None, of_logits=of_logits)
 
 
 def _torch_span(t: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -158,13 +176,32 @@ def _target_span(target: torch.Tensor, ignore_index: int, vocab_size: int,
     return torch.stack([lo, hi]), bad, count
 
 
-def _check_targets(spans: list[list[int]], vocab_size: int) -> None:
+def _check_targets(spans: list[list[int]], vocab_size: int, *, of_logits: bool = False) -> None:
     """Every rank's ``[min, max]`` valid id against ``[0, V)``: every rank holds every span, so
-    every rank raises the same error."""
+    every rank raises the same error (with :func:`_target_hints`)."""
     for r, (lo, hi) in enumerate(spans):
         if lo < 0 or hi >= vocab_size:
             where = f" on rank {r}" if len(spans) > 1 else ""
             raise InvalidInputError(
                 f"target holds id(s) outside [0, {vocab_size}) that are not ignore_index (e.g. {lo if lo < 0 else hi}"
-                f"{where}); pass check=False to skip this check"
+                f"{where}){_target_hints(vocab_size, hi, len(spans), of_logits)}; pass check=False to skip this check"
             )
+
+
+def _target_hints(vocab_size: int, hi: int, world: int, of_logits: bool) -> str:
+    """What most often puts ids beyond the inputs' classes: hidden states passed where logits go
+    (their last dim, a hidden size, read as the vocab), and a vocab shard passed without its group
+    (one rank's shard read as the whole vocab)."""
+    if hi < vocab_size:
+        return ""
+    hints = []
+    if of_logits:
+        width = vocab_size if world == 1 else f"summed over the ranks: {vocab_size}"
+        hints.append(f"the logits' last dim ({width}) is read as the vocab: if the input holds hidden states "
+                     "[..., H] rather than logits, pass them with the lm_head weight to the linear op "
+                     "(linear_cross_entropy(hidden, weight, target))")
+    processes = comm.process_count()
+    if world == 1 and processes > 1:
+        hints.append(f"{processes} processes run but the call has no group: if the input is this rank's vocab "
+                     "shard, did you forget group=?")
+    return "".join(f". {h[0].upper()}{h[1:]}" for h in hints)

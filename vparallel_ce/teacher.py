@@ -11,8 +11,8 @@ dense teacher's logits chunk by chunk from its hidden rows and lm_head, or takes
 rows. Both then call the same two methods, so the ops hold no per-kind branches.
 
 Under ``torch.compile`` (:mod:`vparallel_ce.compiled`) a teacher enters the graph as tensors: a
-top-k record as its ids and log-probs, its tail mode in the op's name (:func:`graph_inputs`,
-:func:`teacher_of`).
+top-k record as its ids and log-probs, its tail mode (and recorded temperature) in the op's name
+(:func:`graph_inputs`, :func:`teacher_of`).
 """
 
 from __future__ import annotations
@@ -68,22 +68,27 @@ def in_graph(teacher) -> bool:
     which raises what eager raises."""
     if isinstance(teacher, TopKTeacher):
         return (isinstance(teacher.ids, torch.Tensor) and isinstance(teacher.logprobs, torch.Tensor)
-                and teacher.tail in TAIL_MODES)
+                and teacher.tail in TAIL_MODES
+                and (teacher.temperature is None or type(teacher.temperature) in (int, float)))
     return isinstance(teacher, torch.Tensor)
 
 
 def graph_inputs(op: str, leading: tuple, teacher, dense: tuple = ()) -> tuple[str, tuple]:
     """``(name, tensors)`` of a compiled distillation op: the student's ``leading`` inputs, then
     the teacher's tensors, detached (a constant gets no gradient): a record's ids and log-probs
-    (the op ``"<op>:<tail>"``), or ``teacher`` and ``dense``, the rest of a dense teacher."""
+    (the op ``"<op>:<tail>"``, and ``"@<temperature>"`` where the record has one), or ``teacher``
+    and ``dense``, the rest of a dense teacher."""
     if isinstance(teacher, TopKTeacher):
         tail = teacher.tail.value if isinstance(teacher.tail, TailMode) else teacher.tail
-        return f"{op}:{tail}", (*leading, teacher.ids, teacher.logprobs.detach())
+        recorded = "" if teacher.temperature is None else f"@{float(teacher.temperature)!r}"
+        return f"{op}:{tail}{recorded}", (*leading, teacher.ids, teacher.logprobs.detach())
     return op, (*leading, *(None if t is None else t.detach() for t in (teacher, *dense)))
 
 
 def teacher_of(op: str, tensors) -> torch.Tensor | TopKTeacher:
     """The inverse of :func:`graph_inputs` for the teacher: its first tensor, or the record."""
     if ":" in op:
-        return TopKTeacher(tensors[0], tensors[1], tail=op.rsplit(":", 1)[1])
+        op, _, recorded = op.partition("@")
+        return TopKTeacher(tensors[0], tensors[1], tail=op.rsplit(":", 1)[1],
+                           temperature=float(recorded) if recorded else None)
     return tensors[0]

@@ -87,11 +87,31 @@ class TopKTeacher:
             gathered at ``ids``): each ``<= 0``; with ``BUCKET`` their probabilities sum to at
             most 1 (the rest is the tail's). ``-inf`` is a probability of 0.
         tail: :class:`TailMode` (or its value), keyword-only.
+        temperature: the ``T`` the log-probs were taken at, keyword-only: a loss called with
+            another ``temperature`` raises :class:`~vparallel_ce.InvalidInputError` (the op does
+            not rescale a record). None (the default): not recorded, and then not checked -- a
+            record of ``log_softmax(logits / 2)`` used at ``temperature=1`` gives a loss with no
+            error. :meth:`from_logits` records it.
+
+    Build one from the teacher's full ``[..., V]`` logits with :meth:`from_logits`.
     """
 
     ids: torch.Tensor
     logprobs: torch.Tensor
     tail: TailMode | str = field(default=TailMode.BUCKET, kw_only=True)
+    temperature: float | None = field(default=None, kw_only=True)
+
+    @classmethod
+    def from_logits(cls, logits: torch.Tensor, k: int, *, temperature: float = 1.0,
+                    tail: TailMode | str = TailMode.BUCKET) -> "TopKTeacher":
+        """The top-``k`` record of the teacher's full (unsharded) ``[..., V]`` logits at
+        ``temperature``: ``ids`` the ``k`` largest logits' ids, ``logprobs`` their
+        ``log_softmax(logits / T)`` (computed in fp32, or fp64 for fp64 logits), ``temperature``
+        recorded. No gradient flows into it."""
+        with torch.no_grad():
+            wide = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+            logprobs, ids = torch.log_softmax(wide / float(temperature), -1).topk(k, -1)
+        return cls(ids, logprobs, tail=tail, temperature=float(temperature))
 
 
 class TopKStats(NamedTuple):

@@ -195,11 +195,15 @@ def _hard_term_target(target_given: bool, hard_weight: float) -> Problem | None:
 
 
 def check_topk_teacher(student: torch.Tensor, teacher, *, target_given: bool, hard_weight: float,
-                       student_name: str = "student_logits") -> Problem | None:
+                       student_name: str = "student_logits", temperature: float | None = None) -> Problem | None:
     """A :class:`~vparallel_ce.topk.TopKTeacher`'s tensors against the (checked) student's local
     ``[..., V_local]`` logits or ``[..., H_s]`` hidden states (``student_name``, for messages):
     ``[..., k]`` integer ids and float log-probs over the student's token dims. Their values are
-    checked after the exchange (:func:`check_topk_values`)."""
+    checked after the exchange (:func:`check_topk_values`). ``temperature``: the call's (a checked
+    option), against the one the record was taken at (:func:`_topk_temperature`)."""
+    problem = _topk_temperature(teacher, temperature)
+    if problem is not None:
+        return problem
     ids, logprobs = teacher.ids, teacher.logprobs
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
         what = ids.dtype if isinstance(ids, torch.Tensor) else type(ids).__name__
@@ -220,6 +224,24 @@ def check_topk_teacher(student: torch.Tensor, teacher, *, target_given: bool, ha
         return Problem(ValueError, f"TopKTeacher is on {ids.device}/{logprobs.device} but {student_name} on "
                                    f"{student.device}")
     return _hard_term_target(target_given, hard_weight)
+
+
+def _topk_temperature(teacher, temperature: float | None) -> Problem | None:
+    """A record that says which temperature its log-probs were taken at must be used at that one:
+    the op does not rescale them (the whole vocab's normaliser is not in the record), and a record
+    of another temperature gives a plausible, wrong loss."""
+    recorded = getattr(teacher, "temperature", None)
+    if recorded is None or temperature is None:
+        return None
+    if not _positive_finite(recorded):
+        return Problem(ValueError, f"TopKTeacher.temperature must be a finite positive number or None, got "
+                                   f"{recorded!r}")
+    if float(recorded) != float(temperature):
+        return Problem(InvalidInputError, f"the TopKTeacher was recorded at temperature={recorded!r} (its logprobs are "
+                                          f"log_softmax(teacher_logits / {recorded!r})) but the loss is called with "
+                                          f"temperature={temperature!r}: record the teacher at the loss' temperature "
+                                          "or call the loss at the record's")
+    return None
 
 
 # how far the teacher's top-k probabilities may sum above 1 (rounding of the stored log-probs)
