@@ -9,8 +9,6 @@ value, and never hang in a later collective.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import struct
 import warnings
@@ -21,9 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from . import comm, kernels
-from .checksums import target_checksum, word_checksum
+from .checksums import target_checksum
 from .layout import VocabLayout, shard_sizes
 from .options import Options
+from .replication import hidden_checksum
 from .divergence import DIVERGENCES
 from .policy import DEFAULT_POLICY
 from .stats import REDUCTIONS
@@ -32,8 +31,7 @@ from .target_check import _check_targets, _torch_span  # the group's span is che
 from .topk import TAIL_MODES
 from .validate import SCHEDULES, InvalidInputError, Problem
 
-__all__ = ["agree", "Agreement", "Facts", "OPS", "hidden_checksum", "shard_checksum", "replication_unchecked",
-           "replication_checked"]
+__all__ = ["agree", "Agreement", "Facts", "OPS"]
 
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
@@ -419,64 +417,6 @@ def _target_facts(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
         return found
     lo, hi, _ = _torch_span(t, ignore_index)
     return torch.stack([lo, hi, target_checksum(t.to(torch.int64))])
-
-
-_REPLICATION_CHECKED = contextvars.ContextVar("vparallel_ce_replication_checked", default=True)
-
-
-@contextlib.contextmanager
-def replication_unchecked():
-    """Inside the block the linear ops do not check that ``hidden`` is replicated (as with
-    ``check_replicated=False``): what :class:`vparallel_ce.pipeline.PipelineLoss` wraps its loss in,
-    since a pipeline schedule's first step calls the loss on uninitialised stage outputs (shape
-    inference), which differ over the TP ranks and whose result is discarded."""
-    token = _REPLICATION_CHECKED.set(False)
-    try:
-        yield
-    finally:
-        _REPLICATION_CHECKED.reset(token)
-
-
-def replication_checked() -> bool:
-    """False inside :func:`replication_unchecked`."""
-    return _REPLICATION_CHECKED.get()
-
-
-def hidden_checksum(x: torch.Tensor) -> torch.Tensor:
-    """:func:`word_checksum` of ``x``'s bytes (0-dim int64 on its device): what the ranks compare to
-    know that ``hidden`` is replicated (exact, nan included, unlike a float sum, which need not
-    come out the same on every rank). Read as 32-bit words where the bytes split into them (on a
-    GPU in one Triton read), else element by element widened to words -- a choice made from the
-    shape and dtype alone, so ranks holding the same values always make the same one."""
-    if x.numel() == 0:
-        return torch.zeros((), dtype=torch.int64, device=x.device)
-    if (x.numel() * x.element_size()) % 4 == 0:
-        words = x.contiguous().view(-1).view(torch.int32)
-        found = kernels.word_checksum(words)
-        return found if found is not None else word_checksum(words)
-    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-    return word_checksum(x.contiguous().view(-1).view(as_int).to(torch.int32))
-
-
-# ---------------------------------------------------------------------------------------------
-# Unsharded inputs: the full logits (or lm_head weight) passed on every rank of a group.
-
-SAMPLE_PER_DIM = 16  # at most this many entries along each dim of a shard go into its sample
-
-
-def shard_sample(x: torch.Tensor) -> torch.Tensor:
-    """A strided view of at most :data:`SAMPLE_PER_DIM` entries along each dim of ``x`` (no copy,
-    no kernel): chosen from the shape alone, so ranks holding the same tensor take the same entries.
-    Two vocab shards of a model differ in every column; the sample of identical shards is
-    identical."""
-    return x[tuple(slice(None, None, max(1, -(-n // SAMPLE_PER_DIM))) for n in x.shape)]
-
-
-def shard_checksum(x: torch.Tensor) -> torch.Tensor:
-    """:func:`hidden_checksum` of :func:`shard_sample` (0-dim int64 on ``x``'s device): a read of a
-    few hundred entries whatever the shard's size, where a checksum of the whole ``[N, V_local]``
-    logits would read them all."""
-    return hidden_checksum(shard_sample(x))
 
 
 def _check_distinct_shards(sizes: list[int], samples: list[int], name: str, *, highest: int) -> None:

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from . import comm, invariant, kernels, policy as _policy
-from .agreement import Facts, agree, hidden_checksum, replication_checked, shard_checksum
+from .agreement import Facts, agree
+from .replication import hidden_checksum, replication_checked, shard_checksum
 from .autocast import autocast_dtype
 from .dtensor import _unwrap_linear, _unwrap_logits  # step 1 of the front doors, private to them
 from .layout import VocabLayout
@@ -135,7 +136,7 @@ class Call:
         """The valid tokens of ``target`` (``valid``: their mask, if made already) as a 0-dim count,
         of the whole group with sequence parallelism -- whatever ``num_valid_tokens`` says: a
         backward scaling gradients made in forward needs to know whether ``dW`` holds any
-        contribution at all (:func:`vparallel_ce.linear.scale_unit_grads`)."""
+        contribution at all (:func:`vparallel_ce.chunk_walk.scale_unit_grads`)."""
         n = (target != self.spec.ignore_index if valid is None else valid).sum()
         if self.sequence_parallel:  # the tokens of the whole group
             comm.all_reduce_sum_(n, self.layout.group)
@@ -189,7 +190,7 @@ def logits_call(logits, target, *, op: str, group, options: Options, more_checks
                 target_given: bool = True, teacher=None, distillation: DistillShape | None = None,
                 memo: tuple | None = ()) -> tuple[Call, LogitsInputs]:
     """The front door of ops over vocab-sharded logits ``[..., V_local]``. ``op``: the op's name
-    (:data:`~vparallel_ce.validate.OPS`); ``options``: what the op was given; ``more_checks``: the
+    (:data:`~vparallel_ce.agreement.OPS`); ``options``: what the op was given; ``more_checks``: the
     op's own checks of its other inputs, given the local logits (a Problem or None);
     ``target_given``: False where ``target`` is a stand-in (:func:`distillation_call`);
     ``teacher``: the distillation's teacher (its logits or a
@@ -263,7 +264,7 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
     if o.batch_invariant is True:  # fixed-shape torch GEMMs: never the per-shape fused kernels
         chosen = replace(chosen, choice=kernels.KernelChoice.TORCH, fused=False)
     elif problem is None and _logits_dtype(o.logits_dtype, matmul) is not None:
-        # fp32 logits come from cuBLAS in two halves of H (linear._mm_wide): the fused kernels sum
+        # fp32 logits come from cuBLAS in two halves of H (gemm._mm_wide): the fused kernels sum
         # all of H in one tensor-core accumulator, which truncates (2.7e-6 log-prob error vs 1.3e-6)
         chosen = replace(chosen, fused=False)
     fused = problem is None and kernels.fused_applies(weight.device, matmul, entropy=o.with_entropy,

@@ -21,8 +21,8 @@ Both ops are functional, as AOTAutograd requires. What a Function's forward leav
 (``ctx`` attributes: statistics per chunk, kept logits, gradients made in forward, the
 :class:`~vparallel_ce.call.Call`) leaves the forward op as extra tensor outputs -- every tensor of
 it that is not an input -- and comes back as the backward op's inputs; the structure around those
-tensors (a template with slots, :func:`_strip`) is the same for every call with the same options
-and input shapes, and is kept by the forward's run for the backward (:data:`_TEMPLATES`). Fake
+tensors (a template with slots, :func:`~vparallel_ce.compiled_state.strip`) is the same for every call with the same options
+and input shapes, and is kept by the forward's run for the backward (:data:`~vparallel_ce.compiled_state.TEMPLATES`). Fake
 tensors (tracing) run the same forward with the torch reference kernels, which give the Triton
 kernels' shapes: every tensor of the state is its own output, so the count never depends on how a
 kernel aliases its results. Symbolic sizes (dynamic shapes) are specialised there (:func:`_static`):
@@ -39,11 +39,8 @@ collectives.
 from __future__ import annotations
 
 import ast
-import collections
 import contextlib
 import contextvars
-import copy
-import enum
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
@@ -59,7 +56,7 @@ from .autocast import autocast_dtype
 from .dtensor import is_dtensor
 from .options import OPTION_NAMES, Options
 from .policy import ChunkPolicy
-from .target_check import DeferredTargetCheck
+from .compiled_state import TEMPLATES, Ctx, Tensors, fill, keep_template, strip, template_key
 
 __all__ = ["apply", "register", "front_door", "Start", "KEPT_READ_ONLY"]
 
@@ -125,7 +122,7 @@ def apply(name: str, tensors: tuple, group, options: Options):
         count = None
     elif count is not None and not isinstance(count, torch.Tensor):
         # an int is a constant of the graph (dynamo specialises it) but not of the key, which would
-        # otherwise make a new template (_TEMPLATES) for every count
+        # otherwise make a new template (TEMPLATES) for every count
         count = torch.tensor(count, dtype=torch.int64, device=tensors[0].device)
     key = _key(options, autocast_dtype(tensors[0].device))
     grad = torch.is_grad_enabled()
@@ -230,155 +227,6 @@ def _as_traced(key: str, device: torch.device):
 
 
 # ---------------------------------------------------------------------------------------------
-# A Function's ctx state as tensors and a template
-
-
-class _Ctx:
-    """Stands in for autograd's ctx when the ops run a Function's forward and backward."""
-
-    # the backward op gets the forward's state as tensors only: the target check cannot wait for
-    # it, so the forward settles it (Call.settle_forward)
-    checks_in_forward = True
-
-    def __init__(self, needs_input_grad: tuple):
-        self.needs_input_grad = needs_input_grad
-        self.saved_tensors = ()
-        self.materialize = True
-
-    def save_for_backward(self, *tensors):
-        self.saved_tensors = tensors
-
-    def set_materialize_grads(self, value: bool):
-        self.materialize = value
-
-
-class _Slot:
-    """A tensor's place in a template: ``pool[index]``, reshaped to ``shape`` if given (a view of an
-    input)."""
-
-    __slots__ = ("index", "shape")
-
-    def __init__(self, index: int, shape=None):
-        self.index, self.shape = index, shape
-
-
-_STATIC = (type(None), bool, int, float, str, bytes, slice, enum.Enum, torch.dtype, torch.device, torch.Size)
-
-
-class _Tensors:
-    """Collects the tensors of a state: ``pool`` is the op's inputs, then its outputs, then the new
-    tensors (:attr:`new`, which the forward op returns after its outputs)."""
-
-    def __init__(self, inputs: list, outputs: list):
-        self.inputs = inputs
-        self.pool = list(inputs)
-        self.storages: dict = {}  # storage -> taken by an input or an output
-        for t in inputs:
-            if t is not None:
-                self.storages.setdefault(StorageWeakRef(t.untyped_storage()), t)
-        self.outputs = [self._own(t) for t in outputs]
-        self.pool += self.outputs
-        self.new: list = []
-        self.ids = {id(t): i for i, t in enumerate(self.pool) if t is not None}
-
-    def _own(self, t: Tensor) -> Tensor:
-        """``t`` as an output of the op: contiguous, and a copy where it would share memory with an
-        input or another output (a custom op's outputs alias nothing)."""
-        ref = StorageWeakRef(t.untyped_storage())
-        if ref in self.storages:
-            t = t.clone(memory_format=torch.contiguous_format)
-        else:
-            t = t.contiguous()
-        self.storages[StorageWeakRef(t.untyped_storage())] = t
-        return t
-
-    def slot(self, t: Tensor) -> _Slot:
-        i = self.ids.get(id(t))
-        if i is not None and i < len(self.inputs) + len(self.outputs):
-            return _Slot(i)
-        for j, x in enumerate(self.inputs):  # a reshape of an input (the front door's [N, V] rows)
-            if (x is not None and t.numel() == x.numel() and t.dtype == x.dtype and t.is_contiguous()
-                    and x.is_contiguous() and t.storage_offset() == x.storage_offset()
-                    and StorageWeakRef(t.untyped_storage()) == StorageWeakRef(x.untyped_storage())):
-                return _Slot(j, tuple(t.shape))
-        self.new.append(self._own(t))
-        return _Slot(len(self.pool) + len(self.new) - 1)
-
-
-_AS_IS = object()  # a leaf function's answer: not a leaf, walk into it
-
-
-def _walk(value, leaf, memo: dict):
-    """``value`` with ``leaf(x)`` in place of every ``x`` for which it does not answer
-    :data:`_AS_IS`; containers and objects around them copied, one copy per object, so that state
-    shared between attributes stays shared."""
-    got = leaf(value)
-    if got is not _AS_IS:
-        return got
-    if isinstance(value, _STATIC):
-        return value
-    if id(value) in memo:
-        return memo[id(value)]
-    if isinstance(value, list):
-        out = memo[id(value)] = []
-        out.extend(_walk(v, leaf, memo) for v in value)
-    elif isinstance(value, tuple):
-        items = [_walk(v, leaf, memo) for v in value]
-        out = memo[id(value)] = type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    elif hasattr(value, "__dict__"):
-        out = memo[id(value)] = copy.copy(value)
-        for k, v in vars(value).items():
-            object.__setattr__(out, k, _walk(v, leaf, memo))
-    else:  # a process group, a function: kept as it is
-        out = value
-    return out
-
-
-def _strip(value, tensors: _Tensors, memo: dict):
-    """``value`` with every tensor replaced by its :class:`_Slot`."""
-
-    def leaf(x):
-        if isinstance(x, Tensor):
-            return tensors.slot(x)
-        if isinstance(x, DeferredTargetCheck):  # settled by the forward: nothing for the backward
-            return None
-        return _AS_IS
-
-    return _walk(value, leaf, memo)
-
-
-def _fill(template, pool: list, memo: dict):
-    """The inverse of :func:`_strip`: a fresh copy of ``template`` with the tensors of ``pool``."""
-
-    def leaf(x):
-        if isinstance(x, _Slot):
-            t = pool[x.index]
-            return t if x.shape is None else t.reshape(x.shape)
-        return _AS_IS
-
-    return _walk(template, leaf, memo)
-
-
-#: (op, key, need, the inputs' shapes, strides and dtypes) -> the template of the forward's ctx:
-#: written by the forward op's run, read by the backward's; the least recently written go beyond
-#: _MAX_TEMPLATES (a run whose token counts never repeat would otherwise grow it without end)
-_TEMPLATES: collections.OrderedDict = collections.OrderedDict()
-_MAX_TEMPLATES = 1024
-
-
-def _keep_template(key: tuple, template) -> None:
-    _TEMPLATES[key] = template
-    _TEMPLATES.move_to_end(key)
-    while len(_TEMPLATES) > _MAX_TEMPLATES:
-        _TEMPLATES.popitem(last=False)
-
-
-def _template_key(name, key, need, tensors) -> tuple:
-    return (name, key, tuple(need),
-            tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors))
-
-
-# ---------------------------------------------------------------------------------------------
 # The custom ops
 
 
@@ -413,15 +261,15 @@ def _forward(name: str, key: str, need: list, inputs: list, count, *, fake: bool
             raise
         return _refused(op, key, inputs)
     with torch.no_grad(), _as_traced(key, inputs[0].device):
-        ctx = _Ctx(tuple(j is not None and need[j] for j in op.grad_of))
+        ctx = Ctx(tuple(j is not None and need[j] for j in op.grad_of))
         out = op.function.forward(ctx, *args)
     out = list(out) if isinstance(out, tuple) else [out]
-    tensors = _Tensors(inputs + [count], out)
+    tensors = Tensors(inputs + [count], out)
     if not any(need):  # no backward: the outputs alone
         return tensors.outputs
-    template = _strip(ctx, tensors, {})
+    template = strip(ctx, tensors, {})
     if not fake:
-        _keep_template(_template_key(name, key, need, inputs + [count]), template)
+        keep_template(template_key(name, key, need, inputs + [count]), template)
     return tensors.outputs + tensors.new
 
 
@@ -463,8 +311,8 @@ def _backward_op(name: str, key: str, need: list[bool], present: list[bool], giv
     """The gradients of the inputs that ``need`` them, from the forward op's outputs ``saved``."""
     op = _op(name)
     inputs = _placed(present, given)
-    template = _TEMPLATES[_template_key(name, key, need, inputs + [count])]
-    ctx = _fill(template, inputs + [count] + list(saved), {})
+    template = TEMPLATES[template_key(name, key, need, inputs + [count])]
+    ctx = fill(template, inputs + [count] + list(saved), {})
     if ctx.materialize:
         grads = [torch.zeros_like(o) if g is None else g for g, o in zip(grads, saved)]
     token = KEPT_READ_ONLY.set(True)

@@ -47,7 +47,7 @@ from dataclasses import replace
 import torch
 
 from . import comm, policy as _policy
-from .agreement import replication_unchecked
+from .replication import replication_unchecked
 from .dtensor import local as _local
 from .cross_entropy import cross_entropy as _cross_entropy
 from .layout import shard_of
