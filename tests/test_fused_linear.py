@@ -133,12 +133,12 @@ _STATS_AND_GRADS = _CASES + textwrap.dedent(
         cfg = C(**small)
         shapes = [
             (16, 16, 32, 0, 32),  # exactly one tile, the whole vocab
-            (50, 40, 129, 7, 1000),  # one column past a tile boundary
+            (40, 40, 33, 7, 1000),  # one column past a tile boundary; 3 row tiles: a partial group_m group
             (33, 6, 45, 0, 45),  # H = 6: rows not 16-byte aligned -> masked loads
             (9, 8, 1, 4, 9),  # one column
             (5, 24, 0, 3, 10),  # empty block: the torch fallback
             (0, 24, 40, 0, 40),  # no rows
-            (17, 72, 300, 290, 700),  # several K tiles, ragged last one
+            (17, 72, 70, 290, 700),  # several K tiles, ragged last one
         ]
         for shape in shapes:
             for i, opts in enumerate(OPTIONS):
