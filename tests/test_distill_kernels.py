@@ -126,7 +126,7 @@ _OP_CHECKS = textwrap.dedent(
 
     dev = sys.argv[1]
     torch.manual_seed(0)
-    n, hs, ht, V = 40, 24, 32, 700
+    n, hs, ht, V = 24, 24, 32, 300
     target = torch.randint(0, V, (n,), device=dev)
     target[3] = -100
     ran = 0

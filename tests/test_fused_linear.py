@@ -133,12 +133,12 @@ _STATS_AND_GRADS = _CASES + textwrap.dedent(
         cfg = C(**small)
         shapes = [
             (16, 16, 32, 0, 32),  # exactly one tile, the whole vocab
-            (50, 40, 129, 7, 1000),  # one column past a tile boundary
+            (40, 40, 33, 7, 1000),  # one column past a tile boundary; 3 row tiles: a partial group_m group
             (33, 6, 45, 0, 45),  # H = 6: rows not 16-byte aligned -> masked loads
             (9, 8, 1, 4, 9),  # one column
             (5, 24, 0, 3, 10),  # empty block: the torch fallback
             (0, 24, 40, 0, 40),  # no rows
-            (17, 72, 300, 290, 700),  # several K tiles, ragged last one
+            (17, 72, 70, 290, 700),  # several K tiles, ragged last one
         ]
         for shape in shapes:
             for i, opts in enumerate(OPTIONS):
@@ -315,20 +315,21 @@ _SCHEDULES_FUSED = textwrap.dedent(
     import sys
     from tests.dist import run_ranks
     from tests.test_fused_linear import fused_schedule_rank
-    world, sp = int(sys.argv[1]), sys.argv[2] == "sp"
-    results = run_ranks(fused_schedule_rank, world, sp) if world > 1 else [fused_schedule_rank(0, 1, sp)]
-    for rank, (failures, calls) in enumerate(results):
-        assert not failures, f"rank {rank}: (options, reduction, plan, error) over tolerance: {failures}"
-        # every rank holds a shard at V=29: each case runs the fused statistics and gradients
-        assert calls["stats"] > 0 and calls["grad"] > 0, (rank, calls)
-    print("FUSED_CHECKS_OK", len(results))
+    for layout in sys.argv[1:]:  # "WORLD:replicated" or "WORLD:sp", in one process (one interpreter start)
+        world, sp = int(layout.split(":")[0]), layout.endswith(":sp")
+        results = run_ranks(fused_schedule_rank, world, sp) if world > 1 else [fused_schedule_rank(0, 1, sp)]
+        for rank, (failures, calls) in enumerate(results):
+            assert not failures, f"{layout}, rank {rank}: (options, reduction, plan, error) over tolerance: {failures}"
+            # every rank holds a shard at V=29: each case runs the fused statistics and gradients
+            assert calls["stats"] > 0 and calls["grad"] > 0, (layout, rank, calls)
+    print("FUSED_CHECKS_OK", len(sys.argv) - 1)
     """
 )
 
 
-@pytest.mark.parametrize("world,sp", [(1, "replicated"), (3, "replicated"), (2, "sp")])
-def test_schedules_run_the_fused_kernels_against_float64(world, sp):
-    _interpreted(_SCHEDULES_FUSED, str(world), sp, kernels="triton")
+def test_schedules_run_the_fused_kernels_against_float64():
+    # TP 1, TP 3 (uneven shards) and TP 2 with sequence parallelism, in one interpreted process
+    _interpreted(_SCHEDULES_FUSED, "1:replicated", "3:replicated", "2:sp", kernels="triton")
 
 
 _KEPT_THEN_RECOMPUTED = textwrap.dedent(
