@@ -19,25 +19,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tests.test_transformers import SMALL, V, _batch  # noqa: E402  the same tiny Llama and batch
 from vparallel_ce.integrations import transformers as vt  # noqa: E402
-
-V = 97
-SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
 
 
 def _llama(tied: bool = False, dtype=torch.float64):
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, tie_word_embeddings=tied)).to(dtype)
-
-
-def _batch(seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, V, (3, 11), generator=g)
-    labels = ids.clone()
-    labels[0, :4] = -100
-    labels[2, 7:] = -100
-    return ids, labels
 
 
 def _assert_same_loss_and_grads(ref, ours, **kw):
