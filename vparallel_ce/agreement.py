@@ -39,7 +39,7 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.in
 
 
 OPS = ("cross_entropy", "linear_cross_entropy", "token_logprobs", "linear_token_logprobs", "distillation_loss",
-       "linear_distillation_loss")
+       "linear_distillation_loss", "linear_mtp_loss")
 
 
 _INPUT_NAMES = ("grad mode", "input", "weight", "bias")
@@ -149,6 +149,11 @@ class Facts:
     chunk_policy: int = _shown(lambda c: f"a ChunkPolicy with CRC {c}")
     # the order of every sum (tiles, rank-ordered SUM): ranks that differ would run other collectives
     batch_invariant: int = _shown(lambda c: str(bool(c)))
+    # a multi-token-prediction loss: its heads (rows of its target), the depths' weight, and the
+    # heads' divisors as given (a position-weighted sum on the device: no host read)
+    mtp_heads: int = _shown(str)
+    mtp_scale: int = _shown(_show_float)
+    mtp_counts: object = _shown(lambda c: "None" if c == _NO_COUNT else f"counts with checksum {c}")
     token_count: int = _shown(str, per_rank=True)
     # position-sensitive (target_checksum): a permutation of the ids, or ids shifted by one, is a
     # different checksum
@@ -181,7 +186,8 @@ class Facts:
             _NO_SOFTCAP if o.softcap is None else _float_code(o.softcap), _float_code(o.temperature),
             int(o.with_entropy), DIVERGENCES.index(o.divergence), _float_code(o.beta), _float_code(o.hard_weight),
             int(target_given), *_teacher_codes(teacher), _dtype_code(matmul_dtype), _dtype_code(o.logits_dtype),
-            _policy_code(o.policy), int(o.batch_invariant), target.numel(), target_checksum, hidden_checksum)
+            _policy_code(o.policy), int(o.batch_invariant), int(o.mtp_heads), _float_code(o.mtp_scale),
+            _counts_code(o.mtp_counts, target.device), target.numel(), target_checksum, hidden_checksum)
 
     def row(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
@@ -209,6 +215,16 @@ def _count_code(count, device):
     if isinstance(count, torch.Tensor):
         return count.reshape(()).to(device, torch.int64)
     return int(count)
+
+
+def _counts_code(counts, device):
+    """Per-head counts as one fact: ``sum_d counts_d * 1000003^d`` in int64 on the exchange's device
+    (wrapping; position-sensitive, no host read)."""
+    if counts is None:
+        return _NO_COUNT
+    c = counts.to(device, torch.int64)
+    return (c * torch.tensor(1000003, dtype=torch.int64, device=device).pow(
+        torch.arange(c.numel(), device=device))).sum()
 
 
 _FACT_FIELDS = dataclasses.fields(Facts)

@@ -46,6 +46,9 @@ class Options:
         check, check_replicated: the call's exchange and checks, and the replicated-hidden check.
         batch_invariant: every per-token output (and each token's gradient row) bitwise the same
             whatever the other tokens of the call (:mod:`vparallel_ce.invariant`).
+        mtp_heads, mtp_scale, mtp_counts: a multi-token-prediction loss (:func:`vparallel_ce.linear_mtp_loss`):
+            its number of heads (0: not an MTP call), the weight of the mean over its depths, and the
+            divisor of each head's mean as given (``[heads]`` integers, or None: each head's own count).
     """
 
     reduction: str = "mean"
@@ -69,6 +72,9 @@ class Options:
     check: bool = True
     check_replicated: bool = True
     batch_invariant: bool = False
+    mtp_heads: int = 0
+    mtp_scale: float = 0.0
+    mtp_counts: torch.Tensor | None = None
 
     def as_kwargs(self) -> dict:
         """The fields by name (what :func:`vparallel_ce.validate.check_options` takes)."""
