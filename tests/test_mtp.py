@@ -28,8 +28,9 @@ def make_case(seed, *, depths, vocab=13, batch=2, seq=7, ignore_frac=0.2, packed
     labels = torch.randint(0, vocab, (batch, seq), generator=g)
     labels[torch.rand(batch, seq, generator=g) < ignore_frac] = -100
     positions = None
-    if packed:  # documents of 3 and 4 tokens in row 0, one document in row 1
-        positions = torch.stack([torch.tensor([0, 1, 2, 0, 1, 2, 3][:seq]), torch.arange(seq)])[:batch]
+    if packed:  # documents of 3, 4 (and the rest) tokens in row 0, one document in row 1
+        first = torch.cat([torch.arange(3), torch.arange(4), torch.arange(max(seq - 7, 0))])[:seq]
+        positions = torch.stack([first, torch.arange(seq)])[:batch]
     return hiddens, weight, b, labels, positions
 
 

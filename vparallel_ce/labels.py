@@ -67,17 +67,19 @@ def _roll(labels: torch.Tensor, d: int, positions: torch.Tensor | None, fill: in
     return out
 
 
-def context_parallel_shard(x: torch.Tensor, rank: int, world: int, *, load_balanced: bool = False) -> torch.Tensor:
-    """This CP rank's part of ``x [..., S]`` along the last dim: the ``rank``-th of ``world`` equal
-    parts, or with ``load_balanced`` parts ``rank`` and ``2 world - 1 - rank`` of ``2 world`` (torch's
-    head-tail layout, torchtitan's for causal attention). ``S`` must divide evenly."""
+def context_parallel_shard(x: torch.Tensor, rank: int, world: int, *, load_balanced: bool = False,
+                           dim: int = -1) -> torch.Tensor:
+    """This CP rank's part of ``x`` along its sequence dim ``dim`` (``-1`` for ``[..., S]`` ids,
+    ``-2`` for ``[..., S, H]`` hidden states): the ``rank``-th of ``world`` equal parts, or with
+    ``load_balanced`` parts ``rank`` and ``2 world - 1 - rank`` of ``2 world`` (torch's head-tail
+    layout, torchtitan's for causal attention). ``S`` must divide evenly."""
     parts = 2 * world if load_balanced else world
-    if x.shape[-1] % parts:
-        raise ValueError(f"a sequence of {x.shape[-1]} tokens does not split into {parts} equal CP parts")
-    pieces = x.chunk(parts, dim=-1)
+    if x.shape[dim] % parts:
+        raise ValueError(f"a sequence of {x.shape[dim]} tokens does not split into {parts} equal CP parts")
+    pieces = x.chunk(parts, dim=dim)
     if not load_balanced:
         return pieces[rank]
-    return torch.cat([pieces[rank], pieces[2 * world - 1 - rank]], dim=-1)
+    return torch.cat([pieces[rank], pieces[2 * world - 1 - rank]], dim=dim)
 
 
 def _unshard(shard: torch.Tensor, group, load_balanced: bool) -> torch.Tensor:
