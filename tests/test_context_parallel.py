@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import vparallel_ce
 from tests.dist import run_ranks
 from tests.reference import rel_err, shard
-from tests.test_mtp import H, make_case, reference
+from tests.test_mtp import make_case, reference
 from vparallel_ce.labels import context_parallel_labels, context_parallel_shard, count_head_tokens, mtp_labels
 
 SEQ = 8  # 2 x CP parts of 4 or 4 x 2 (load-balanced)

@@ -35,7 +35,6 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import traceback
@@ -43,6 +42,7 @@ import traceback
 import torch
 
 import vparallel_ce
+from launch.bench.records import JsonLines, error_text, print_loss_table
 from launch.bench.timing import clear_grads, peak_of, timed_in_rounds
 
 # Llama3-8B student (H=4096) with a Llama3-70B-width teacher (H=8192); full vocab and its TP=8 shard
@@ -184,7 +184,7 @@ def bench_shape(tag, shape, args, device, emit):
             else:
                 fns[name] = fn
         except Exception as e:  # noqa: BLE001 -- recorded, the other methods go on
-            records[name].update(error=_error(e))
+            records[name].update(error=error_text(e))
 
     def once(fn):
         loss = fn(hs, ws, ht, wt, tgt)
@@ -213,7 +213,7 @@ def bench_shape(tag, shape, args, device, emit):
                 r_loss, r_dh, r_dw = refs[kind]
                 rec.update(err_loss=rel(loss.detach(), r_loss), err_dh=rel(hs.grad, r_dh), err_dw=rel(ws.grad, r_dw))
         except Exception as e:  # noqa: BLE001 -- OOM, a missing op: recorded, the rest go on
-            rec.update(error=_error(e))
+            rec.update(error=error_text(e))
             if args.verbose:
                 traceback.print_exception(e)
         clear_grads((hs, ws))
@@ -222,28 +222,6 @@ def bench_shape(tag, shape, args, device, emit):
     for rec in records.values():
         emit(rec)
     return list(records.values())
-
-
-def _error(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-
-
-def fmt(x, spec):
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def print_table(records):
-    print("\n## launch.bench.distill: fwd+bwd median ms; peak GiB over resident inputs (incl. dh + dW); "
-          "errors vs float64 of the same bf16 inputs")
-    print("| shape | method | ms | peak GiB | err loss | err dh | err dW |")
-    print("|" + "---|" * 7)
-    for r in records:
-        if "error" in r:
-            print(f"| {r['shape']} | {r['method']} | {r['error']} | | | | |")
-            continue
-        behind = f" ({fmt(r['ms_behind'], '.2f')} behind queued work)" if "ms_behind" in r else ""
-        print(f"| {r['shape']} | {r['method']} | {fmt(r['ms'], '.2f')}{behind} | {fmt(r['peak_gib'], '.3f')} | "
-              f"{fmt(r.get('err_loss'), '.1e')} | {fmt(r.get('err_dh'), '.1e')} | {fmt(r.get('err_dw'), '.1e')} |")
 
 
 def main(argv=None):
@@ -271,23 +249,13 @@ def main(argv=None):
     env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
     print(f"# launch.bench.distill: {env}, T={args.temperature}, repeats {args.repeats}, warmup {args.warmup}",
           flush=True)
-    fh = open(args.out, "a") if args.out else None
-
-    def emit(rec):
-        rec = {**rec, **env}
-        print(json.dumps(rec), flush=True)
-        if fh is not None:
-            fh.write(json.dumps(rec) + "\n")
-            fh.flush()
 
     records = []
-    try:
+    with JsonLines(args.out, env) as emit:
         for tag, shape in shapes.items():
             records += bench_shape(tag, shape, args, device, emit)
-    finally:
-        if fh is not None:
-            fh.close()
-    print_table(records)
+    print_loss_table("launch.bench.distill: fwd+bwd median ms; peak GiB over resident inputs (incl. dh + dW); "
+                     "errors vs float64 of the same bf16 inputs", records)
     # peers may be missing or run out of memory; ours may not fail
     return 1 if any("error" in r for r in records if r["method"].startswith("ours")) else 0
 

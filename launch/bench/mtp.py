@@ -31,7 +31,6 @@ Run from the repository root::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import traceback
@@ -40,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 import vparallel_ce
+from launch.bench.records import JsonLines, error_text, print_loss_table
 from launch.bench.timing import clear_grads, peak_of, timed_in_rounds
 from vparallel_ce.labels import mtp_labels
 
@@ -139,7 +139,7 @@ def bench_shape(tag, shape, args, device, emit):
             else:
                 fns[name] = fn
         except Exception as e:  # noqa: BLE001 -- recorded, the other methods go on
-            records[name].update(error=_error(e))
+            records[name].update(error=error_text(e))
 
     def once(name):
         hs = hiddens[records[name]["depths"]]
@@ -166,7 +166,7 @@ def bench_shape(tag, shape, args, device, emit):
                 rec.update(err_loss=rel(loss.detach(), r_loss), err_dh=max(rel(x.grad, r) for x, r in zip(hs, r_dhs)),
                            err_dw=rel(w.grad, r_dw))
         except Exception as e:  # noqa: BLE001 -- OOM, a missing op: recorded, the rest go on
-            rec.update(error=_error(e))
+            rec.update(error=error_text(e))
             if args.verbose:
                 traceback.print_exception(e)
         clear_grads(params)
@@ -175,27 +175,6 @@ def bench_shape(tag, shape, args, device, emit):
     for rec in records.values():
         emit(rec)
     return list(records.values())
-
-
-def _error(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-
-
-def fmt(x, spec):
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def print_table(records):
-    print("\n## launch.bench.mtp: fwd+bwd median ms; peak GiB over resident inputs (incl. every dh + dW); "
-          "errors vs float64 of the same bf16 inputs")
-    print("| shape | method | ms | peak GiB | err loss | err dh | err dW |")
-    print("|" + "---|" * 7)
-    for r in records:
-        if "error" in r:
-            print(f"| {r['shape']} | {r['method']} | {r['error']} | | | | |")
-            continue
-        print(f"| {r['shape']} | {r['method']} | {fmt(r['ms'], '.2f')} | {fmt(r['peak_gib'], '.3f')} | "
-              f"{fmt(r.get('err_loss'), '.1e')} | {fmt(r.get('err_dh'), '.1e')} | {fmt(r.get('err_dw'), '.1e')} |")
 
 
 def main(argv=None):
@@ -219,23 +198,13 @@ def main(argv=None):
     shapes = {s: known.get(s) or tuple(int(x) for x in s.lower().split("x")) for s in names}
     env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
     print(f"# launch.bench.mtp: {env}, mtp_scale={SCALE}, repeats {args.repeats}, warmup {args.warmup}", flush=True)
-    fh = open(args.out, "a") if args.out else None
-
-    def emit(rec):
-        rec = {**rec, **env}
-        print(json.dumps(rec), flush=True)
-        if fh is not None:
-            fh.write(json.dumps(rec) + "\n")
-            fh.flush()
 
     records = []
-    try:
+    with JsonLines(args.out, env) as emit:
         for tag, shape in shapes.items():
             records += bench_shape(tag, shape, args, device, emit)
-    finally:
-        if fh is not None:
-            fh.close()
-    print_table(records)
+    print_loss_table("launch.bench.mtp: fwd+bwd median ms; peak GiB over resident inputs (incl. every dh + dW); "
+                     "errors vs float64 of the same bf16 inputs", records)
     # peers may be missing or run out of memory; ours may not fail
     return 1 if any("error" in r for r in records if r["method"].startswith("ours")) else 0
 
