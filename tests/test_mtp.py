@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import vparallel_ce
 from tests.dist import one_thread, run_ranks
-from tests.reference import rel_err, shard
+from tests.reference import largest_tensor, rel_err, shard
 from vparallel_ce.labels import mtp_labels
 
 H = 6
@@ -232,28 +232,12 @@ def test_equals_torchtitan_mtp_loss_on_the_same_logits():
 
 
 def test_no_tensor_as_large_as_the_heads_logits_when_chunked():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     hiddens, weight, _, labels, pos = make_case(6, depths=3, vocab=40, seq=16, bias=False)
     rows, v = 4 * labels.numel(), weight.shape[0]
-
-    class Watch(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    Watch.largest = max(Watch.largest, t.numel())
-            return out
-
     for schedule, recompute in (("token", False), ("token", True), ("vocab", None)):
         hs = [h.float().requires_grad_() for h in hiddens]
         w = weight.float().requires_grad_()
-        Watch.largest = 0
-        with Watch():
-            out = vparallel_ce.linear_mtp_loss(hs, w, labels, positions=pos, chunks=8, schedule=schedule,
-                                               recompute=recompute)
-            out.loss.backward()
-        assert Watch.largest < labels.numel() * v, (schedule, Watch.largest)  # not even one head's logits
-        assert Watch.largest >= rows * v // 8  # one chunk of logits did exist: the watch works
+        largest = largest_tensor(lambda: vparallel_ce.linear_mtp_loss(
+            hs, w, labels, positions=pos, chunks=8, schedule=schedule, recompute=recompute).loss.backward())
+        assert largest < labels.numel() * v, (schedule, largest)  # not even one head's logits
+        assert largest >= rows * v // 8  # one chunk of logits did exist: the watch works

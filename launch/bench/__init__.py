@@ -20,7 +20,7 @@ library itself does: ``pip install -e .``):
 ``launch.bench.fused``    the fused GEMM kernels against cuBLAS + row passes:
                           ``python -m launch.bench.fused --set tiles --options --out fused.jsonl``
 ``launch.bench.timing``   the timing helper all of them share
-``launch.bench.records``  the loss benchmarks' records: errors, table cells, JSON lines, the table
+``launch.bench.harness``  the loss benchmarks' command line and records (errors, JSON lines, the table)
 ========================  =================================================================
 
 Every module takes ``--help``, and the measuring ones (``loss``, ``tp``, ``rl``, ``distill``,

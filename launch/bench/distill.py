@@ -34,7 +34,6 @@ Run from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import traceback
@@ -42,7 +41,7 @@ import traceback
 import torch
 
 import vparallel_ce
-from launch.bench.records import JsonLines, error_text, print_loss_table
+from launch.bench.harness import error_text, parse_run, run_shapes
 from launch.bench.timing import clear_grads, peak_of, timed_in_rounds
 
 # Llama3-8B student (H=4096) with a Llama3-70B-width teacher (H=8192); full vocab and its TP=8 shard
@@ -225,39 +224,20 @@ def bench_shape(tag, shape, args, device, emit):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI), 2 repeats")
-    p.add_argument("--shapes", default=None, help="comma list of shape names or NxHsxHtxV")
-    p.add_argument("--methods", default=None, help="comma list (default: every method for the shapes)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--repeats", type=int, default=None, help="timed runs (default 10; 2 with --smoke)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up runs (default 2; 1 with --smoke)")
-    p.add_argument("--no-ref", action="store_true", help="skip the float64 reference (no error columns)")
-    p.add_argument("--ahead-ms", type=float, default=0.0,
-                   help="also time each method behind this much queued GPU work (ms_behind; see timing.timed)")
-    p.add_argument("--out", default=None, help="append one JSON line per measurement to this file")
-    p.add_argument("--verbose", action="store_true")
-    args = p.parse_args(argv)
+    def more(p):
+        p.add_argument("--temperature", type=float, default=1.0)
+        p.add_argument("--ahead-ms", type=float, default=0.0,
+                       help="also time each method behind this much queued GPU work (ms_behind; see timing.timed)")
 
-    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    args.methods = [m for m in (args.methods or ",".join(SMOKE_METHODS if args.smoke else METHODS)).split(",") if m]
-    args.repeats = args.repeats if args.repeats is not None else (2 if args.smoke else 10)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
-    known = {**SHAPES, **SMOKE_SHAPES}
-    names = args.shapes.split(",") if args.shapes else list(SMOKE_SHAPES if args.smoke else SHAPES)
-    shapes = {s: known.get(s) or tuple(int(x) for x in s.lower().split("x")) for s in names}
-    env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+    args, device, shapes, env = parse_run(__doc__, argv, shapes=SHAPES, smoke_shapes=SMOKE_SHAPES, methods=METHODS,
+                                          smoke_methods=SMOKE_METHODS, more=more)
     print(f"# launch.bench.distill: {env}, T={args.temperature}, repeats {args.repeats}, warmup {args.warmup}",
           flush=True)
 
-    records = []
-    with JsonLines(args.out, env) as emit:
-        for tag, shape in shapes.items():
-            records += bench_shape(tag, shape, args, device, emit)
-    print_loss_table("launch.bench.distill: fwd+bwd median ms; peak GiB over resident inputs (incl. dh + dW); "
-                     "errors vs float64 of the same bf16 inputs", records)
-    # peers may be missing or run out of memory; ours may not fail
-    return 1 if any("error" in r for r in records if r["method"].startswith("ours")) else 0
+    title = ("launch.bench.distill: fwd+bwd median ms; peak GiB over resident inputs (incl. dh + dW); "
+             "errors vs float64 of the same bf16 inputs")
+    return run_shapes(title, shapes, lambda tag, shape, emit: bench_shape(tag, shape, args, device, emit), args.out,
+                      env)
 
 
 if __name__ == "__main__":
