@@ -110,6 +110,21 @@ def tp_failures(rank, world, group, vocab, limit=None, tol=1e-10) -> list[str]:
     return failures
 
 
+def disagreement_failures(rank, world, group) -> list[str]:
+    """Ranks that disagree on the depths' weight, the number of heads or the counts: an error on
+    every rank naming it, never a hang."""
+    from tests.dist import unmet
+
+    hiddens, w, _, labels, _ = make_case(2, depths=2, bias=False)
+    w = shard(w, world, rank, 0)
+    call = lambda **kw: lambda: vparallel_ce.linear_mtp_loss(hiddens[: kw.pop("heads", 3)], w, labels,  # noqa: E731
+                                                              group=group, **kw)
+    cases = {"mtp_scale": (call(mtp_scale=0.3 + 0.1 * (rank == 1)), ["mtp scale", "0.4"]),
+             "depths": (call(heads=3 if rank else 2), ["mtp heads", "rank 0: 2"]),
+             "counts": (call(num_valid_tokens=[9, 8, 7 + rank]), ["mtp num valid tokens"])}
+    return unmet(cases, f"TP {world} rank {rank}", group)
+
+
 def tp_grid_rank(rank, world):
     """On 4 ranks: TP 4 (V=13 uneven, V=3 with an empty shard), TP 3 on ranks 0-2, TP 2 on two pairs."""
     import torch.distributed as dist
@@ -117,7 +132,7 @@ def tp_grid_rank(rank, world):
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     three = dist.new_group([0, 1, 2])
     failures = tp_failures(rank, 4, dist.group.WORLD, 13) + tp_failures(rank, 4, dist.group.WORLD, 3, limit=2)
-    failures += tie_failures(rank, 4, dist.group.WORLD)
+    failures += tie_failures(rank, 4, dist.group.WORLD) + disagreement_failures(rank, 4, dist.group.WORLD)
     if rank < 3:
         failures += tp_failures(rank, 3, three, 13) + tie_failures(rank, 3, three)
     failures += tp_failures(rank % 2, 2, pairs[rank // 2], 13)
@@ -241,3 +256,18 @@ def test_no_tensor_as_large_as_the_heads_logits_when_chunked():
             hs, w, labels, positions=pos, chunks=8, schedule=schedule, recompute=recompute).loss.backward())
         assert largest < labels.numel() * v, (schedule, largest)  # not even one head's logits
         assert largest >= rows * v // 8  # one chunk of logits did exist: the watch works
+
+
+def test_runs_under_torch_compile_as_a_graph_break():
+    hiddens, w, _, labels, pos = make_case(8, depths=1, bias=False)
+    wl = w.clone().requires_grad_()
+
+    def step(hs, weight):
+        out = vparallel_ce.linear_mtp_loss(hs, weight, labels, positions=pos)
+        return 2 * out.loss, out.acceptance
+
+    loss, acc = torch.compile(step, backend="eager")(hiddens, wl)
+    loss.backward()
+    want = vparallel_ce.linear_mtp_loss(hiddens, w, labels, positions=pos)
+    assert torch.equal(loss, 2 * want.loss) and torch.equal(acc, want.acceptance)
+    assert rel_err(wl.grad, 2 * reference((hiddens, w, None, labels, pos))[3][-1]) < 1e-12

@@ -153,7 +153,7 @@ class Facts:
     # heads' divisors as given (a position-weighted sum on the device: no host read)
     mtp_heads: int = _shown(str)
     mtp_scale: int = _shown(_show_float)
-    mtp_counts: object = _shown(lambda c: "None" if c == _NO_COUNT else f"counts with checksum {c}")
+    mtp_num_valid_tokens: object = _shown(lambda c: "None" if c == _NO_COUNT else f"per-head counts with checksum {c}")
     token_count: int = _shown(str, per_rank=True)
     # position-sensitive (target_checksum): a permutation of the ids, or ids shifted by one, is a
     # different checksum

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from . import comm, top1
 from .autocast import autocast_off
@@ -120,8 +121,19 @@ def linear_mtp_loss(
         in its input's dtype: every hidden's (the full gradient, summed over the group; this
         rank's rows with ``sequence_parallel``), ``weight.grad``/``bias.grad`` this shard's.
         ``loss`` equals torchtitan 0.3.0's ``MTPLoss`` on the gathered logits for ``"sum"`` (and
-        ``"mean"`` with one count for every head); see ``docs/mtp.md``.
+        ``"mean"`` with one count for every head); see ``docs/mtp.md``. Under ``torch.compile`` the op
+        runs eagerly (a graph break).
     """
+    return _linear_mtp_loss(hiddens, weight, labels, bias, mtp_scale, positions, group, num_valid_tokens, reduction,
+                            sequence_parallel, vocab_size, ignore_index, chunks, schedule, recompute, policy, check,
+                            check_replicated, logits_dtype)
+
+
+# under torch.compile: a graph break, the op runs eagerly (its front door reads values on the host)
+@torch.compiler.disable
+def _linear_mtp_loss(hiddens, weight, labels, bias, mtp_scale, positions, group, num_valid_tokens, reduction,
+                     sequence_parallel, vocab_size, ignore_index, chunks, schedule, recompute, policy, check,
+                     check_replicated, logits_dtype) -> MTPOutput:
     heads, problem = _heads(hiddens, weight, labels, positions, ignore_index, sequence_parallel)
     counts, count_problem = _given_counts(num_valid_tokens, len(heads[0]) if heads else 0, reduction)
     problem = problem or count_problem
@@ -248,8 +260,7 @@ class _LinearMTP(torch.autograd.Function):
             r = weights.to(cdt)[heads_of]
             grads = Grads(h, w, b, need, acc_dtype=cdt, rows=rows, schedule=sched) if in_forward else None
             # per head (one more slot for sequence parallelism's padding rows): summed losses and hits
-            loss_sums = torch.zeros(n_heads + 1, dtype=cdt, device=h.device)
-            hits = torch.zeros(n_heads + 1, dtype=cdt, device=h.device)
+            sums = torch.zeros(n_heads + 1, 2, dtype=cdt, device=h.device)
             saved, kept = [], KeptLogits()
             for c, h_c, t_c, targets in sched.walk(call, rows, hm, t):
                 best = []
@@ -262,9 +273,11 @@ class _LinearMTP(torch.autograd.Function):
                 local_t, owned, valid = targets()
                 r_c = torch.where(valid, rows.gather(c, r, fill=0), 0.0)
                 head_c = rows.gather(c, heads_of, fill=n_heads)
-                loss_sums.index_add_(0, head_c, token_loss(st, valid, spec))
+                # per-head sums as one small GEMM with the rows' one-hot heads: a fixed order (an
+                # index_add_ would add in whatever order a GPU's atomics land)
+                one_hot = F.one_hot(head_c, n_heads + 1).to(cdt)
                 hit = valid & (top1.join(best[0], lay) == t_c)
-                hits.index_add_(0, head_c, hit.to(cdt))
+                sums += one_hot.t() @ torch.stack([token_loss(st, valid, spec), hit.to(cdt)], dim=1)
                 coefs = loss_grad_coefs(st.max, st.log_s, r_c, spec, valid)
                 if in_forward:
                     sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, st.max, coefs, kept_c, grads)
@@ -272,7 +285,7 @@ class _LinearMTP(torch.autograd.Function):
                 saved.append(ChunkSaved(st.max, coefs, (t_c, local_t, owned, valid)))
                 if kept_c:
                     kept.add(kept_c)
-            loss_sums, hits = loss_sums[:n_heads], hits[:n_heads]
+            loss_sums, hits = sums[:n_heads].unbind(1)
             # sum_d (c_d / n_d) * (summed losses of head d): a head without a valid token adds 0
             # whatever its weight (inf for a count of 0)
             loss = torch.where(loss_sums == 0, 0.0, loss_sums * weights.to(cdt)).sum()
