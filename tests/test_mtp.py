@@ -203,7 +203,8 @@ def test_autocast_runs_the_matmuls_in_its_dtype_and_returns_fp32_master_gradient
     with torch.autocast("cpu", dtype=amp):
         out = vparallel_ce.linear_mtp_loss(hs, w, labels, b, positions=pos, chunks=2)
     out.loss.backward()
-    assert out.loss.dtype == torch.float32 and w.grad.dtype == torch.float32 and hs[0].grad.dtype == torch.float32
+    assert out.loss.dtype == out.head_losses.dtype == out.acceptance.dtype == torch.float32
+    assert w.grad.dtype == torch.float32 and hs[0].grad.dtype == torch.float32
     assert rel_err(out.loss, loss_ref) < 2e-2
     for got, want in zip([*(h.grad for h in hs), w.grad, b.grad], grads):
         assert rel_err(got, want) < 3e-2

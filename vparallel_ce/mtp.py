@@ -56,7 +56,7 @@ class MTPOutput(NamedTuple):
             under ``"mean"`` (0/0) unless a count is given.
         acceptance: ``[D + 1]`` detached: each head's top-1 hits (argmax == label) over its valid
             tokens, divided by ``n_d`` (``"mean"``) or their number (``"sum"``).
-        num_valid_tokens: ``[D + 1]`` float the divisors ``n_d`` of ``"mean"`` (as given, or each
+        num_valid_tokens: ``[D + 1]`` float64: the divisors ``n_d`` of ``"mean"`` (as given, or each
             head's own valid tokens over the group), each head's own count for ``"sum"``.
     """
 
@@ -156,18 +156,19 @@ def _linear_mtp_loss(hiddens, weight, labels, bias, mtp_scale, positions, group,
     own.index_add_(0, heads_of, (inp.target != ignore_index).to(torch.int64))
     if call.sequence_parallel:  # every rank's tokens count
         comm.all_reduce_sum_(own, call.layout.group)
-    cdt = compute_dtype(call.matmul_dtype)
-    coef = torch.full((n_heads,), float(mtp_scale) / (n_heads - 1), dtype=cdt, device=own.device)
+    # the weights c_d / n_d formed in float64 (counts exact to 2^53), rounded once in the op
+    coef = torch.full((n_heads,), float(mtp_scale) / (n_heads - 1), dtype=torch.float64, device=own.device)
     coef[0] = 1.0
     if reduction == "mean":
-        n = own.to(cdt) if counts is None else torch.where(counts >= 0, counts.to(own.device, cdt), float("nan"))
+        n = own.double() if counts is None else torch.where(counts >= 0, counts.to(own.device, torch.float64),
+                                                             float("nan"))
         weights = coef / n
     else:
-        n, weights = own.to(cdt), coef
+        n, weights = own.double(), coef
     # a head without a valid token adds nothing (its weight never meets a valid token's loss)
     loss, loss_sums, hits = _LinearMTP.apply(inp.h, inp.w, inp.b, inp.target, weights, heads_of, call)
-    head_losses = loss_sums if reduction == "sum" else loss_sums / n
-    acceptance = hits if reduction == "sum" else hits / n
+    head_losses = loss_sums if reduction == "sum" else loss_sums / n.to(loss_sums.dtype)
+    acceptance = hits if reduction == "sum" else hits / n.to(hits.dtype)
     return MTPOutput(loss, head_losses, acceptance, n)
 
 
