@@ -80,6 +80,9 @@ _OPTION_CHECKS = {
     "beta": (lambda v: not isinstance(v, bool) and 0.0 <= float(v) <= 1.0, "in [0, 1]"),
     "hard_weight": (lambda v: not isinstance(v, bool) and 0 <= float(v) < float("inf"), "a finite number >= 0"),
     "logits_dtype": (lambda v: v is None or v is torch.float32, "None or torch.float32"),
+    "top_k": (lambda v: v is None or _is_int(v, 1, 2**31), "an int >= 1 or None"),
+    "top_p": (lambda v: v is None or (not isinstance(v, bool) and 0.0 < float(v) <= 1.0), "in (0, 1] or None"),
+    "min_p": (lambda v: v is None or (not isinstance(v, bool) and 0.0 <= float(v) <= 1.0), "in [0, 1] or None"),
     "num_valid_tokens": (lambda v: v is None or _is_int(v, 0, 2**62) or _integer_scalar(v),
                          "an int >= 0, a one-element integer tensor or None"),
 }
