@@ -20,6 +20,7 @@ import torch
 
 from . import comm, kernels
 from .checksums import target_checksum
+from .checksums import target_checksum as _ids_checksum
 from .layout import VocabLayout, shard_sizes
 from .options import Options
 from .replication import hidden_checksum
@@ -194,7 +195,7 @@ class Facts:
             int(o.with_entropy), DIVERGENCES.index(o.divergence), _float_code(o.beta), _float_code(o.hard_weight),
             int(target_given), *_teacher_codes(teacher),
             -1 if support is None else support.shape[-1],
-            _NO_FACT if support is None else target_checksum(support.reshape(-1).to(torch.int64)),
+            _NO_FACT if support is None else _ids_checksum(support.reshape(-1).to(torch.int64)),
             -1 if o.top_k is None else int(o.top_k), _optional_float_code(o.top_p), _optional_float_code(o.min_p),
             _dtype_code(matmul_dtype), _dtype_code(o.logits_dtype),
             _policy_code(o.policy), int(o.batch_invariant), target.numel(), target_checksum, hidden_checksum)

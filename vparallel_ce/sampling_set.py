@@ -246,7 +246,7 @@ def _masks(call_options) -> SamplingMasks:
 
 
 def _support_rows(support: torch.Tensor | None, n: int, device) -> torch.Tensor:
-    return torch.full((n, 0), -1, dtype=torch.int64, device=device) if support is None else support.reshape(n, -1)
+    return torch.full((n, 0), -1, dtype=torch.int64, device=device) if support is None else support.reshape(n, support.shape[-1])
 
 
 class SetLogprobs(torch.autograd.Function):
@@ -397,7 +397,7 @@ def _linear_grads(sr: SetRows, d_set, d_full, h_c, w, gathered, dw, db, *, want_
             dh_c += torch.bmm(d_set.unsqueeze(1).to(gathered.dtype), gathered).squeeze(1).to(acc)
         flat = sr.cols.reshape(-1)
         if dw is not None:
-            dw.index_add_(0, flat, (d_set.unsqueeze(-1) * h_c.to(acc).unsqueeze(1)).reshape(flat.numel(), -1))
+            dw.index_add_(0, flat, (d_set.unsqueeze(-1) * h_c.to(acc).unsqueeze(1)).reshape(flat.numel(), h_c.shape[-1]))
         if db is not None:
             db.index_add_(0, flat, d_set.reshape(-1))
         d_rows, rows_h = d_full, (h_c[sr.full] if d_full is not None else None)
