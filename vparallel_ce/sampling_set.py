@@ -47,7 +47,7 @@ from .gemm import logits as lm_logits, matmul_inputs, mm_as
 from .sampling_masks import SamplingMasks, thresholds
 from .stats import ChunkStats, GradCoefs, combine, compute_dtype, grad_logits, local_stats, logprob_grad_coefs, \
     scaled_logits
-from .validate import InvalidInputError, Problem
+from .validate import Problem, raise_values_problem
 
 __all__ = ["SetRows", "check_support", "check_support_values", "set_chunks", "set_logprobs", "linear_set_logprobs",
            "GATHER_RATIO"]
@@ -95,16 +95,7 @@ def check_support_values(support: torch.Tensor, target: torch.Tensor, call: Call
     raises the same error -- with sequence parallelism (each rank its own rows) after one more
     exchange of the ranks' verdicts."""
     problem = _support_problem(support, target, call.spec.ignore_index, call.layout.vocab_size)
-    group = call.layout.group if call.sequence_parallel else None
-    if group is not None and comm.is_sharded(group):
-        bad = [r for r, (flag,) in enumerate(comm.all_gather_ints([problem is not None], group, support.device))
-               if flag]
-        if not bad:
-            return
-        said = comm.all_gather_objects(problem, group)
-        raise InvalidInputError("; ".join(f"rank {r}: {said[r]}" for r in bad))
-    if problem is not None:
-        raise InvalidInputError(problem)
+    raise_values_problem(problem, call.layout.group if call.sequence_parallel else None, support.device)
 
 
 def _support_problem(ids: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_size: int) -> str | None:
