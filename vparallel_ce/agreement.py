@@ -20,6 +20,7 @@ import torch
 
 from . import comm, kernels
 from .checksums import target_checksum
+from .checksums import target_checksum as _ids_checksum
 from .layout import VocabLayout, shard_sizes
 from .options import Options
 from .replication import hidden_checksum
@@ -39,7 +40,7 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.in
 
 
 OPS = ("cross_entropy", "linear_cross_entropy", "token_logprobs", "linear_token_logprobs", "distillation_loss",
-       "linear_distillation_loss")
+       "linear_distillation_loss", "topk_logprobs", "linear_topk_logprobs")
 
 
 _INPUT_NAMES = ("grad mode", "input", "weight", "bias")
@@ -87,6 +88,10 @@ _NO_SOFTCAP = _float_code(float("nan")) ^ 1  # no float has these bits
 
 
 _NO_FACT = 0  # a fact that does not apply to the op, or that a rank with bad input cannot make
+
+
+def _show_optional_float(code: int) -> str:
+    return "None" if code == _NO_SOFTCAP else _show_float(code)
 
 
 def _shown(show, *, per_rank: bool = False):
@@ -142,6 +147,13 @@ class Facts:
     # (with sequence parallelism a sparse teacher's rows are each rank's own tokens', as the hidden states)
     teacher_ids_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
     teacher_logprobs_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
+    # the log-prob ops' sampling set: its width K (-1: none) and ids (position-sensitive, each
+    # rank's own rows with sequence parallelism), or the sampling masks that rebuild it
+    support_k: int = _shown(lambda c: "None" if c < 0 else str(c))
+    support_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
+    top_k: int = _shown(lambda c: "None" if c < 0 else str(c))
+    top_p: int = _shown(_show_optional_float)
+    min_p: int = _shown(_show_optional_float)
     # the lm_head matmuls' dtype (torch.autocast's inside it): it decides the plan and the kernels
     matmul_dtype: int = _shown(_show_dtype)
     # the logits' dtype as asked (None: the matmul dtype): it decides their precision and the plan's memory
@@ -159,12 +171,13 @@ class Facts:
     @classmethod
     def of(cls, *, op: str, options: Options, inputs: tuple, target: torch.Tensor, target_checksum,
            hidden_checksum=_NO_FACT, fused: bool = False, matmul_dtype: torch.dtype | None = None,
-           target_given: bool = True, teacher=None) -> "Facts":
+           target_given: bool = True, teacher=None, support: torch.Tensor | None = None) -> "Facts":
         """``inputs``: the op's float inputs, ``(logits,)`` or ``(hidden, weight, bias)``;
         ``fused``, ``matmul_dtype``: the linear ops' kernels and lm_head matmul dtype (False and
         None for the logits ops); ``target_given``: False for a distillation without a target
         (``target`` is then a stand-in of zeros); ``teacher``: the distillation's (checked) teacher,
-        its logits or a :class:`~vparallel_ce.topk.TopKTeacher`, else None."""
+        its logits or a :class:`~vparallel_ce.topk.TopKTeacher`, else None; ``support``: the
+        log-prob ops' ``[N, K]`` sampling set, else None."""
         o = options
         first, weight, bias = (*inputs, None, None)[:3]
         grads = int(torch.is_grad_enabled())
@@ -180,11 +193,19 @@ class Facts:
             _float_code(o.label_smoothing), _float_code(o.z_loss),
             _NO_SOFTCAP if o.softcap is None else _float_code(o.softcap), _float_code(o.temperature),
             int(o.with_entropy), DIVERGENCES.index(o.divergence), _float_code(o.beta), _float_code(o.hard_weight),
-            int(target_given), *_teacher_codes(teacher), _dtype_code(matmul_dtype), _dtype_code(o.logits_dtype),
+            int(target_given), *_teacher_codes(teacher),
+            -1 if support is None else support.shape[-1],
+            _NO_FACT if support is None else _ids_checksum(support.reshape(-1).to(torch.int64)),
+            -1 if o.top_k is None else int(o.top_k), _optional_float_code(o.top_p), _optional_float_code(o.min_p),
+            _dtype_code(matmul_dtype), _dtype_code(o.logits_dtype),
             _policy_code(o.policy), int(o.batch_invariant), target.numel(), target_checksum, hidden_checksum)
 
     def row(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+
+def _optional_float_code(x) -> int:
+    return _NO_SOFTCAP if x is None else _float_code(x)
 
 
 def _teacher_codes(teacher) -> tuple:
@@ -373,6 +394,8 @@ def _check_facts(rows: list[list[int]], group, policy) -> None:
             "teacher_ids_checksum": "every rank must pass the same TopKTeacher ids (global vocab ids, not this "
                                     "rank's shard of them)",
             "teacher_logprobs_checksum": "every rank must pass the same TopKTeacher logprobs",
+            "support_checksum": "every rank must pass the same support ids (global vocab ids, -1 padding) in the "
+                                "same order",
             "hidden_checksum": "hidden (and linear_distillation_loss's teacher_hidden) must be replicated over the "
                                "group (the same values on every rank); a "
                                "token-sharded hidden needs sequence_parallel=True. Inside a "

@@ -188,7 +188,7 @@ class LinearInputs:
 
 def logits_call(logits, target, *, op: str, group, options: Options, more_checks=None,
                 target_given: bool = True, teacher=None, distillation: DistillShape | None = None,
-                memo: tuple | None = ()) -> tuple[Call, LogitsInputs]:
+                memo: tuple | None = (), support: torch.Tensor | None = None) -> tuple[Call, LogitsInputs]:
     """The front door of ops over vocab-sharded logits ``[..., V_local]``. ``op``: the op's name
     (:data:`~vparallel_ce.agreement.OPS`); ``options``: what the op was given; ``more_checks``: the
     op's own checks of its other inputs, given the local logits (a Problem or None);
@@ -198,7 +198,9 @@ def logits_call(logits, target, *, op: str, group, options: Options, more_checks
     distillation memory model's shape for the plan (None: the CE's); ``memo``: at world 1, what
     ``more_checks`` reads as metadata (:func:`~vparallel_ce.verdicts.tensor_metadata`), with which
     the call's verdict is remembered for the next call of the same metadata
-    (:mod:`vparallel_ce.verdicts`); None: nothing is remembered."""
+    (:mod:`vparallel_ce.verdicts`); None: nothing is remembered. ``support``: the log-prob ops'
+    sampling set (:mod:`vparallel_ce.sampling_set`), whose ids the ranks agree on (checked by
+    ``more_checks``; give ``memo=None`` with it)."""
     o = options
     key = None if group is not None or memo is None else VERDICTS.key(
         op, o, (logits, target), (memo, target_given, distillation))
@@ -212,7 +214,7 @@ def logits_call(logits, target, *, op: str, group, options: Options, more_checks
 
     def facts(target_checksum):  # made only for a group's exchange
         return Facts.of(op=op, options=o, inputs=(logits,), target=target, target_checksum=target_checksum,
-                        target_given=target_given, teacher=teacher)
+                        target_given=target_given, teacher=teacher, support=support)
 
     agreed = agree(problem, group, local_size=lambda: logits.shape[-1], facts=facts, device=_device(logits),
                    options=o, vocab_size=vocab_size, target=target, shard=lambda: shard_checksum(logits),
@@ -230,7 +232,7 @@ def logits_call(logits, target, *, op: str, group, options: Options, more_checks
 def linear_call(hidden, weight, target, bias, *, op: str, group, options: Options, more_checks=None,
                 target_given: bool = True, also_replicated=(), prefix: str = "", teacher=None,
                 distillation: Callable[[torch.Tensor, int], DistillShape] | None = None,
-                memo: tuple | None = ()) -> tuple[Call, LinearInputs]:
+                memo: tuple | None = (), support: torch.Tensor | None = None) -> tuple[Call, LinearInputs]:
     """The front door of ops over hidden states and this rank's lm_head shard ``[V_local, H]``
     (arguments as in :func:`logits_call`; ``more_checks`` is given the local hidden, weight and the
     enclosing autocast dtype). ``also_replicated``: more local ``[..., H']`` tensors that must be
@@ -240,7 +242,7 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
     the distillation memory model's shape for the plan, made from the checked local weight and the
     bytes per element of a logits' gradient the op can keep (the matmul dtype's; 0 with sequence
     parallelism or a bias) (None: the CE's plan); ``memo``: as in :func:`logits_call`, the
-    metadata of ``also_replicated`` and ``teacher`` too."""
+    metadata of ``also_replicated`` and ``teacher`` too; ``support``: as in :func:`logits_call`."""
     o = options
     key = None
     if group is None and memo is not None and isinstance(weight, torch.Tensor):
@@ -279,7 +281,7 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
             replicated = sum((hidden_checksum(x) for x in also_replicated), hidden_checksum(hidden))
         return Facts.of(op=op, options=o, inputs=(hidden, weight, bias), target=target, target_checksum=target_checksum,
                         hidden_checksum=replicated, fused=fused, matmul_dtype=matmul, target_given=target_given,
-                        teacher=teacher)
+                        teacher=teacher, support=support)
 
     agreed = agree(problem, group, local_size=lambda: weight.shape[0], facts=facts, device=_device(weight),
                    options=o, vocab_size=vocab_size, target=target, shard=lambda: shard_checksum(weight),

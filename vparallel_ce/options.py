@@ -46,6 +46,8 @@ class Options:
         check, check_replicated: the call's exchange and checks, and the replicated-hidden check.
         batch_invariant: every per-token output (and each token's gradient row) bitwise the same
             whatever the other tokens of the call (:mod:`vparallel_ce.invariant`).
+        top_k, top_p, min_p: the log-prob ops' sampling masks, the kept set rebuilt from the logits
+            at ``temperature`` (:mod:`vparallel_ce.sampling_masks`); None: no such mask.
     """
 
     reduction: str = "mean"
@@ -69,6 +71,14 @@ class Options:
     check: bool = True
     check_replicated: bool = True
     batch_invariant: bool = False
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+
+    @property
+    def masks(self) -> bool:
+        """A sampling mask is asked for (``top_k``, ``top_p`` or ``min_p``)."""
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
 
     def as_kwargs(self) -> dict:
         """The fields by name (what :func:`vparallel_ce.validate.check_options` takes)."""
