@@ -350,10 +350,9 @@ def _compacted(call: Call, inp: LinearInputs, valid: tuple[int, ...] | None, o: 
     every rank (sequence parallel) or of this rank's replicated target, where the host knows it
     (None: read here if the policy accepts that host sync)."""
     policy = o.policy or _policy.DEFAULT_POLICY
-    if policy.compact is False or kernels.is_fake(inp.target):
-        return call, inp
-    if valid is None:
-        if not policy.reads_valid_count(call.counts[0], inp.w.shape[-1], call.layout.local_size):
+    if valid is None:  # (a small world-1 call leaves here: host time before its first GEMM)
+        if not policy.reads_valid_count(call.counts[0], inp.w.shape[-1], call.layout.local_size) \
+                or kernels.is_fake(inp.target):
             return call, inp
         valid = (valid_count(inp.target, o.ignore_index),)  # a replicated target: the same on every rank
     kept = policy.kept_rows(call.counts, valid)

@@ -83,8 +83,8 @@ def target_facts(target: torch.Tensor, ignore_index: int, vocab_size: int | None
     t = target.reshape(-1)
     if not t.is_contiguous():
         t = t.contiguous()
-    out = torch.empty(4, dtype=torch.int64, device=t.device) if out is None else out
     flag = vocab_size is not None
+    out = torch.empty(3 if flag else 4, dtype=torch.int64, device=t.device) if out is None else out
     bad = torch.empty(1, dtype=torch.bool, device=t.device) if flag else out
     count = torch.empty(1, dtype=torch.float32, device=t.device) if flag else out
     _facts_kernel[(1,)](t, t.numel(), ignore_index, vocab_size if flag else 0, out, bad, count, BLOCK=BLOCK,
