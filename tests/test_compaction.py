@@ -215,3 +215,16 @@ def test_kept_rows_round_up_with_ignored_rows_and_only_where_worth_it():
     assert policy.reads_valid_count(8192, 4096, 128256)
     assert ChunkPolicy(compact=True).reads_valid_count(8, 4, 4)
     assert ChunkPolicy(compact=1).problem() == "ChunkPolicy.compact must be True, False or None, got 1"
+
+
+def test_a_compacted_call_takes_the_uncompacted_plan_where_its_own_would_peak_higher():
+    from vparallel_ce.policy import choose_plan, peak_bytes
+
+    shape = dict(hidden_size=4096, fused=True)
+    whole = choose_plan(8192, 128256, 1, **shape)  # vocab blocks, 1.23 GiB
+    quarter = choose_plan(2048, 128256, 1, **shape)  # one token chunk: its logits, 1.48 GiB
+    model = dict(hidden_size=4096, dtype=torch.bfloat16)
+    assert peak_bytes(quarter, 2048, 128256, **model) > peak_bytes(whole, 8192, 128256, **model)
+    assert ChunkPolicy.compacted_plan(quarter, 2048, whole, 8192, 128256, 1, **model) == whole
+    half = choose_plan(4096, 128256, 1, **shape)
+    assert ChunkPolicy.compacted_plan(half, 4096, whole, 8192, 128256, 1, **model) == half

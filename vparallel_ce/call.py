@@ -333,6 +333,10 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
             logits_dtype=logits, distillation=None if distillation is None else distillation(
                 weight, 0 if sp or bias is not None else matmul.itemsize))
         plan = replan(sum(counts))
+        if distillation is None:  # (the distillation plans' chunks are bounded by the budget at any count)
+            replan = functools.partial(_no_larger, replan, plan, sum(counts), lay.vocab_size, lay.world,
+                                       hidden_size=weight.shape[-1], dtype=matmul, grad_dtype=weight.dtype,
+                                       logits_dtype=logits)
     call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, sp, counts, matmul, logits, chosen,
                 _divisor(o, weight.device), pending, o.batch_invariant, replan)
     if key is not None:
@@ -341,6 +345,14 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
     if compact and replan is not None and target_given:
         return _compacted(call, inputs, valid if sp or valid is None else valid[:1], o)
     return call, inputs
+
+
+def _no_larger(replan, uncompacted: Plan, all_tokens: int, vocab_size: int, tp_degree: int, num_tokens: int,
+               **model) -> Plan:
+    """The plan of ``num_tokens`` kept rows, no larger in peak than the ``uncompacted`` one
+    (:meth:`~vparallel_ce.policy.ChunkPolicy.compacted_plan`)."""
+    return _policy.ChunkPolicy.compacted_plan(replan(num_tokens), num_tokens, uncompacted, all_tokens, vocab_size,
+                                              tp_degree, **model)
 
 
 def _compacted(call: Call, inp: LinearInputs, valid: tuple[int, ...] | None, o: Options

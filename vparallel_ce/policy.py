@@ -120,6 +120,24 @@ class ChunkPolicy:
         dropped = sum(counts) - sum(kept)
         return kept if dropped > 0 and dropped * COMPACT_MIN_DROP >= sum(counts) else None
 
+    @staticmethod
+    def compacted_plan(plan: Plan, num_tokens: int, uncompacted: Plan, all_tokens: int, vocab_size: int,
+                       tp_degree: int, *, hidden_size: int, dtype: torch.dtype, grad_dtype: torch.dtype | None = None,
+                       logits_dtype: torch.dtype | None = None) -> Plan:
+        """The plan a compacted ``linear_cross_entropy`` / ``linear_token_logprobs`` call runs over
+        its ``num_tokens`` kept rows: ``plan`` (the policy's for them), unless its peak
+        (:func:`peak_bytes`) is above the ``uncompacted`` plan's over ``all_tokens`` -- fewer rows
+        can make one token chunk fit the budget, whose logits then outweigh the vocab blocks'
+        floor -- and then ``uncompacted`` itself, whose peak over fewer rows is no larger: a
+        compacted call never takes more memory than the uncompacted one."""
+        if plan == uncompacted:
+            return plan
+        kw = dict(hidden_size=hidden_size, dtype=dtype, grad_dtype=grad_dtype, logits_dtype=logits_dtype)
+        if peak_bytes(plan, num_tokens, vocab_size, tp_degree, **kw) > \
+                peak_bytes(uncompacted, all_tokens, vocab_size, tp_degree, **kw):
+            return uncompacted
+        return plan
+
     @property
     def budget(self) -> int:
         return DEFAULT_BUDGET_BYTES if self.budget_bytes is None else int(self.budget_bytes)
