@@ -71,7 +71,8 @@ class Call:
         batch_invariant: every sum in an order independent of the call's other tokens
             (:mod:`vparallel_ce.invariant`): fixed-shape tiles, rank-ordered SUMs, torch kernels.
         replan: the linear ops' plan of the same call over another token count (the rows kept by
-            ignored-token compaction, :meth:`with_rows`); None where the call is not compacted.
+            ignored-token compaction, :meth:`with_rows`); None for the logits ops and in the
+            batch-invariant mode, which are never compacted.
     """
 
     layout: VocabLayout
