@@ -235,7 +235,8 @@ def _count_code(count, device):
 _FACT_FIELDS = dataclasses.fields(Facts)
 
 
-_HEAD = 6  # problem flag, vocab rows, vocab_size claim, lowest and highest valid target id, shard sample
+# problem flag, vocab rows, vocab_size claim, lowest and highest valid target id, shard sample, valid target count
+_HEAD = 7
 
 
 def _policy_code(policy) -> int:
@@ -248,12 +249,15 @@ def _policy_code(policy) -> int:
 @dataclass(frozen=True)
 class Agreement:
     """The outcome of a call's exchange: the layout of this rank's vocab shard, the token count of
-    every rank (known from the exchange; None without one), and at world 1 the target check still
-    to settle."""
+    every rank (known from the exchange; None without one), at world 1 the target check still
+    to settle, and every rank's count of targets that are not ``ignore_index`` (from the exchange;
+    None without one), which ignored-token compaction (:mod:`vparallel_ce.compaction`) reads
+    without a host sync of its own."""
 
     layout: VocabLayout
     counts: tuple[int, ...] | None = None
     pending: DeferredTargetCheck | None = None
+    valid_counts: tuple[int, ...] | None = None
 
 
 def agree(
@@ -307,17 +311,17 @@ def agree(
         return Agreement(VocabLayout.of_rank(None, 1, 0, v), None,
                          deferred_check(target, options, v, of_logits=not shard_name.endswith("weight")))
     me = comm.rank(group)
-    counts = None
+    counts = valid = None
     if exchange:
         ok = problem is None
         # a rank with bad input sends no claim: its vocab_size may be what is bad (not an int64)
         mine = [int(not ok), local_size() if ok else 0, -1 if vocab_size is None or not ok else vocab_size]
         if ok:
-            lo, hi, checksum = _target_facts(target, ignore_index).unbind()
+            lo, hi, checksum, valid = _target_facts(target, ignore_index).unbind()
             sample = shard() if shard is not None and vocab_size is None else _NO_FACT
-            mine += ([lo, hi] if span else [0, 0]) + [sample] + facts(checksum).row()
+            mine += ([lo, hi] if span else [0, 0]) + [sample, valid] + facts(checksum).row()
         else:
-            mine += [0, 0, _NO_FACT] + [_NO_FACT] * len(_FACT_FIELDS)
+            mine += [0, 0, _NO_FACT, 0] + [_NO_FACT] * len(_FACT_FIELDS)
         rows = comm.all_gather_ints(mine, group, device)
         bad = [r for r, row in enumerate(rows) if row[0]]
         if bad:  # every rank sees the same rows, so every rank takes this second exchange
@@ -334,10 +338,11 @@ def agree(
         if span:
             _check_targets([row[3:5] for row in rows], vocab_size, of_logits=not shard_name.endswith("weight"))
         counts = tuple(row[_HEAD + _COUNT] for row in rows)
+        valid = tuple(row[6] for row in rows)
     lay = VocabLayout.of_rank(group, world, me, vocab_size)
     if lay.local_size != local_size():
         lay = _unchecked_layout(lay, local_size(), exchange)
-    return Agreement(lay, counts, None)
+    return Agreement(lay, counts, None, valid)
 
 
 def _unchecked_layout(lay: VocabLayout, rows: int, exchanged: bool) -> VocabLayout:
@@ -429,17 +434,18 @@ def _check_sizes(sizes: list[int], claims: list[int], vocab_size: int | None, wo
 
 
 def _target_facts(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """``[lo, hi, checksum]`` (int64, on the target's device): every valid id of ``target`` lies in
-    ``[lo, hi]``, both inside ``[0, V)`` exactly when every valid id is, and an out-of-range id, if
-    any, is one of them; ``checksum`` is :func:`target_checksum`."""
+    """``[lo, hi, checksum, valid]`` (int64, on the target's device): every valid id of ``target``
+    lies in ``[lo, hi]``, both inside ``[0, V)`` exactly when every valid id is, and an out-of-range
+    id, if any, is one of them; ``checksum`` is :func:`target_checksum`; ``valid`` counts the ids
+    that are not ``ignore_index``."""
     t = target.reshape(-1)
     if t.numel() == 0:
-        return torch.zeros(3, dtype=torch.int64, device=t.device)
+        return torch.zeros(4, dtype=torch.int64, device=t.device)
     found = kernels.target_facts(t, ignore_index)  # one launch on a GPU
     if found is not None:
         return found
-    lo, hi, _ = _torch_span(t, ignore_index)
-    return torch.stack([lo, hi, target_checksum(t.to(torch.int64))])
+    lo, hi, ignored = _torch_span(t, ignore_index)
+    return torch.stack([lo, hi, target_checksum(t.to(torch.int64)), (~ignored).sum()])
 
 
 def _check_distinct_shards(sizes: list[int], samples: list[int], name: str, *, highest: int) -> None:

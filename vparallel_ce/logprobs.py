@@ -171,8 +171,10 @@ def linear_token_logprobs(
                                                 options)
     else:
         call, inp = linear_call(hidden, weight, target, bias, op="linear_token_logprobs", group=group,
-                                options=options)
+                                options=options, compact=True)
         (logp, entropy), shape = _LinearTokenLogprobs.apply(inp.h, inp.w, inp.b, inp.target, call), inp.shape
+        # (compacted: the kept rows' values back in the caller's order, 0 on the ignored rows)
+        logp, entropy = inp.place(logp), inp.place(entropy)
     logp = logp.reshape(shape)
     return (logp, entropy.reshape(shape)) if with_entropy else logp
 
