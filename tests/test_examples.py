@@ -2,7 +2,7 @@
 
 tp_cross_entropy.py, grad_accumulation.py (DDP and FSDP2) and distillation.py start their two gloo
 processes themselves (launch/examples/_spawn.py), and also run under torchrun (tp_cross_entropy.py
-is run both ways here); rl_logprobs.py is one process; hf_llama.py is one process and needs
+is run both ways here); rollout_support.py starts two too; rl_logprobs.py is one process; hf_llama.py is one process and needs
 transformers (skipped without it). Each run has a bounded wall time.
 """
 
@@ -41,7 +41,8 @@ def _free_port() -> int:
     ["grad_accumulation.py"],
     ["distillation.py"],
     ["hf_llama.py"],
-], ids=["tp-spawned", "tp-torchrun", "rl", "grad-accumulation", "distillation", "hf-llama"])
+    ["rollout_support.py"],
+], ids=["tp-spawned", "tp-torchrun", "rl", "grad-accumulation", "distillation", "hf-llama", "rollout-support"])
 def test_example_runs_and_checks_itself(tmp_path, cmd):
     if cmd == ["hf_llama.py"]:
         pytest.importorskip("transformers")

@@ -6,7 +6,10 @@ Public API:
 * :func:`cross_entropy` -- logits sharded along the vocab over a TP group;
 * :func:`linear_cross_entropy` -- hidden states + the lm_head weight shard, no full logits;
 * :func:`token_logprobs`, :func:`linear_token_logprobs` -- per-token log-probs and entropy for RL,
-  from sharded logits or hidden states, with gradients;
+  from sharded logits or hidden states, with gradients; over the rollout's sampling set
+  (``support=``) or its top-k/top-p/min-p masks;
+* :func:`topk_logprobs`, :func:`linear_topk_logprobs` -- the global top-k ids and log-probs of a
+  vocab-sharded softmax (a :class:`TopKTeacher` record);
 * :func:`distillation_loss` -- forward/reverse KL or JSD between a student's and a teacher's
   vocab-sharded logits (plus an optional hard cross-entropy term), with the student's gradient;
 * :func:`linear_distillation_loss` -- the same from both models' hidden states and lm_head shards,
@@ -35,6 +38,7 @@ from .policy import ChunkPolicy, choose_chunks
 from .registry import LinearCrossEntropy, PlainCrossEntropy, VocabParallelCrossEntropy, build_loss_fn
 from .second_order import SecondDerivativeError
 from .topk import TailMode, TopKTeacher
+from .topk_logprobs import TopKLogprobs, linear_topk_logprobs, topk_logprobs
 from .validate import InvalidInputError
 from . import labels, megatron, pipeline, policy  # noqa: E402  (submodules of the public API)
 
@@ -49,6 +53,9 @@ __all__ = [
     "MTPOutput",
     "token_logprobs",
     "linear_token_logprobs",
+    "topk_logprobs",
+    "linear_topk_logprobs",
+    "TopKLogprobs",
     "count_valid_tokens",
     "build_loss_fn",
     "VocabParallelCrossEntropy",

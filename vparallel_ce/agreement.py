@@ -20,6 +20,7 @@ import torch
 
 from . import comm, kernels
 from .checksums import target_checksum
+from .checksums import target_checksum as _ids_checksum
 from .layout import VocabLayout, shard_sizes
 from .options import Options
 from .replication import hidden_checksum
@@ -39,7 +40,7 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.in
 
 
 OPS = ("cross_entropy", "linear_cross_entropy", "token_logprobs", "linear_token_logprobs", "distillation_loss",
-       "linear_distillation_loss", "linear_mtp_loss")
+       "linear_distillation_loss", "topk_logprobs", "linear_topk_logprobs", "linear_mtp_loss")
 
 
 _INPUT_NAMES = ("grad mode", "input", "weight", "bias")
@@ -87,6 +88,10 @@ _NO_SOFTCAP = _float_code(float("nan")) ^ 1  # no float has these bits
 
 
 _NO_FACT = 0  # a fact that does not apply to the op, or that a rank with bad input cannot make
+
+
+def _show_optional_float(code: int) -> str:
+    return "None" if code == _NO_SOFTCAP else _show_float(code)
 
 
 def _shown(show, *, per_rank: bool = False):
@@ -142,6 +147,13 @@ class Facts:
     # (with sequence parallelism a sparse teacher's rows are each rank's own tokens', as the hidden states)
     teacher_ids_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
     teacher_logprobs_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
+    # the log-prob ops' sampling set: its width K (-1: none) and ids (position-sensitive, each
+    # rank's own rows with sequence parallelism), or the sampling masks that rebuild it
+    support_k: int = _shown(lambda c: "None" if c < 0 else str(c))
+    support_checksum: object = _shown(lambda c: f"{c:#x}", per_rank=True)
+    top_k: int = _shown(lambda c: "None" if c < 0 else str(c))
+    top_p: int = _shown(_show_optional_float)
+    min_p: int = _shown(_show_optional_float)
     # the lm_head matmuls' dtype (torch.autocast's inside it): it decides the plan and the kernels
     matmul_dtype: int = _shown(_show_dtype)
     # the logits' dtype as asked (None: the matmul dtype): it decides their precision and the plan's memory
@@ -164,12 +176,13 @@ class Facts:
     @classmethod
     def of(cls, *, op: str, options: Options, inputs: tuple, target: torch.Tensor, target_checksum,
            hidden_checksum=_NO_FACT, fused: bool = False, matmul_dtype: torch.dtype | None = None,
-           target_given: bool = True, teacher=None) -> "Facts":
+           target_given: bool = True, teacher=None, support: torch.Tensor | None = None) -> "Facts":
         """``inputs``: the op's float inputs, ``(logits,)`` or ``(hidden, weight, bias)``;
         ``fused``, ``matmul_dtype``: the linear ops' kernels and lm_head matmul dtype (False and
         None for the logits ops); ``target_given``: False for a distillation without a target
         (``target`` is then a stand-in of zeros); ``teacher``: the distillation's (checked) teacher,
-        its logits or a :class:`~vparallel_ce.topk.TopKTeacher`, else None."""
+        its logits or a :class:`~vparallel_ce.topk.TopKTeacher`, else None; ``support``: the
+        log-prob ops' ``[N, K]`` sampling set, else None."""
         o = options
         first, weight, bias = (*inputs, None, None)[:3]
         grads = int(torch.is_grad_enabled())
@@ -185,12 +198,20 @@ class Facts:
             _float_code(o.label_smoothing), _float_code(o.z_loss),
             _NO_SOFTCAP if o.softcap is None else _float_code(o.softcap), _float_code(o.temperature),
             int(o.with_entropy), DIVERGENCES.index(o.divergence), _float_code(o.beta), _float_code(o.hard_weight),
-            int(target_given), *_teacher_codes(teacher), _dtype_code(matmul_dtype), _dtype_code(o.logits_dtype),
+            int(target_given), *_teacher_codes(teacher),
+            -1 if support is None else support.shape[-1],
+            _NO_FACT if support is None else _ids_checksum(support.reshape(-1).to(torch.int64)),
+            -1 if o.top_k is None else int(o.top_k), _optional_float_code(o.top_p), _optional_float_code(o.min_p),
+            _dtype_code(matmul_dtype), _dtype_code(o.logits_dtype),
             _policy_code(o.policy), int(o.batch_invariant), int(o.mtp_heads), _float_code(o.mtp_scale),
             _counts_code(o.mtp_counts, target.device), target.numel(), target_checksum, hidden_checksum)
 
     def row(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+
+def _optional_float_code(x) -> int:
+    return _NO_SOFTCAP if x is None else _float_code(x)
 
 
 def _teacher_codes(teacher) -> tuple:
@@ -230,7 +251,8 @@ def _counts_code(counts, device):
 _FACT_FIELDS = dataclasses.fields(Facts)
 
 
-_HEAD = 6  # problem flag, vocab rows, vocab_size claim, lowest and highest valid target id, shard sample
+# problem flag, vocab rows, vocab_size claim, lowest and highest valid target id, shard sample, valid target count
+_HEAD = 7
 
 
 def _policy_code(policy) -> int:
@@ -243,12 +265,15 @@ def _policy_code(policy) -> int:
 @dataclass(frozen=True)
 class Agreement:
     """The outcome of a call's exchange: the layout of this rank's vocab shard, the token count of
-    every rank (known from the exchange; None without one), and at world 1 the target check still
-    to settle."""
+    every rank (known from the exchange; None without one), at world 1 the target check still
+    to settle, and every rank's count of targets that are not ``ignore_index`` (from the exchange;
+    None without one), which ignored-token compaction (:mod:`vparallel_ce.compaction`) reads
+    without a host sync of its own."""
 
     layout: VocabLayout
     counts: tuple[int, ...] | None = None
     pending: DeferredTargetCheck | None = None
+    valid_counts: tuple[int, ...] | None = None
 
 
 def agree(
@@ -302,17 +327,17 @@ def agree(
         return Agreement(VocabLayout.of_rank(None, 1, 0, v), None,
                          deferred_check(target, options, v, of_logits=not shard_name.endswith("weight")))
     me = comm.rank(group)
-    counts = None
+    counts = valid = None
     if exchange:
         ok = problem is None
         # a rank with bad input sends no claim: its vocab_size may be what is bad (not an int64)
         mine = [int(not ok), local_size() if ok else 0, -1 if vocab_size is None or not ok else vocab_size]
         if ok:
-            lo, hi, checksum = _target_facts(target, ignore_index).unbind()
+            lo, hi, checksum, valid = _target_facts(target, ignore_index).unbind()
             sample = shard() if shard is not None and vocab_size is None else _NO_FACT
-            mine += ([lo, hi] if span else [0, 0]) + [sample] + facts(checksum).row()
+            mine += ([lo, hi] if span else [0, 0]) + [sample, valid] + facts(checksum).row()
         else:
-            mine += [0, 0, _NO_FACT] + [_NO_FACT] * len(_FACT_FIELDS)
+            mine += [0, 0, _NO_FACT, 0] + [_NO_FACT] * len(_FACT_FIELDS)
         rows = comm.all_gather_ints(mine, group, device)
         bad = [r for r, row in enumerate(rows) if row[0]]
         if bad:  # every rank sees the same rows, so every rank takes this second exchange
@@ -329,10 +354,11 @@ def agree(
         if span:
             _check_targets([row[3:5] for row in rows], vocab_size, of_logits=not shard_name.endswith("weight"))
         counts = tuple(row[_HEAD + _COUNT] for row in rows)
+        valid = tuple(row[6] for row in rows)
     lay = VocabLayout.of_rank(group, world, me, vocab_size)
     if lay.local_size != local_size():
         lay = _unchecked_layout(lay, local_size(), exchange)
-    return Agreement(lay, counts, None)
+    return Agreement(lay, counts, None, valid)
 
 
 def _unchecked_layout(lay: VocabLayout, rows: int, exchanged: bool) -> VocabLayout:
@@ -389,6 +415,8 @@ def _check_facts(rows: list[list[int]], group, policy) -> None:
             "teacher_ids_checksum": "every rank must pass the same TopKTeacher ids (global vocab ids, not this "
                                     "rank's shard of them)",
             "teacher_logprobs_checksum": "every rank must pass the same TopKTeacher logprobs",
+            "support_checksum": "every rank must pass the same support ids (global vocab ids, -1 padding) in the "
+                                "same order",
             "hidden_checksum": "hidden (and linear_distillation_loss's teacher_hidden) must be replicated over the "
                                "group (the same values on every rank); a "
                                "token-sharded hidden needs sequence_parallel=True. Inside a "
@@ -422,17 +450,18 @@ def _check_sizes(sizes: list[int], claims: list[int], vocab_size: int | None, wo
 
 
 def _target_facts(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """``[lo, hi, checksum]`` (int64, on the target's device): every valid id of ``target`` lies in
-    ``[lo, hi]``, both inside ``[0, V)`` exactly when every valid id is, and an out-of-range id, if
-    any, is one of them; ``checksum`` is :func:`target_checksum`."""
+    """``[lo, hi, checksum, valid]`` (int64, on the target's device): every valid id of ``target``
+    lies in ``[lo, hi]``, both inside ``[0, V)`` exactly when every valid id is, and an out-of-range
+    id, if any, is one of them; ``checksum`` is :func:`target_checksum`; ``valid`` counts the ids
+    that are not ``ignore_index``."""
     t = target.reshape(-1)
     if t.numel() == 0:
-        return torch.zeros(3, dtype=torch.int64, device=t.device)
+        return torch.zeros(4, dtype=torch.int64, device=t.device)
     found = kernels.target_facts(t, ignore_index)  # one launch on a GPU
     if found is not None:
         return found
-    lo, hi, _ = _torch_span(t, ignore_index)
-    return torch.stack([lo, hi, target_checksum(t.to(torch.int64))])
+    lo, hi, ignored = _torch_span(t, ignore_index)
+    return torch.stack([lo, hi, target_checksum(t.to(torch.int64)), (~ignored).sum()])
 
 
 def _check_distinct_shards(sizes: list[int], samples: list[int], name: str, *, highest: int) -> None:

@@ -29,6 +29,7 @@ import torch
 
 from . import comm, invariant, kernels, policy as _policy
 from .agreement import Facts, agree
+from .compaction import Compaction, compacted_rows, valid_count
 from .replication import hidden_checksum, replication_checked, shard_checksum
 from .autocast import autocast_dtype
 from .dtensor import _unwrap_linear, _unwrap_logits  # step 1 of the front doors, private to them
@@ -69,6 +70,9 @@ class Call:
             checked the targets.
         batch_invariant: every sum in an order independent of the call's other tokens
             (:mod:`vparallel_ce.invariant`): fixed-shape tiles, rank-ordered SUMs, torch kernels.
+        replan: the linear ops' plan of the same call over another token count (the rows kept by
+            ignored-token compaction, :meth:`with_rows`); None for the logits ops and in the
+            batch-invariant mode, which are never compacted.
     """
 
     layout: VocabLayout
@@ -84,6 +88,7 @@ class Call:
     divisor: torch.Tensor | None = None
     pending: DeferredTargetCheck | None = field(default=None, compare=False, repr=False)
     batch_invariant: bool = False
+    replan: Callable[[int], Plan] | None = field(default=None, compare=False, repr=False)
 
     def ops(self, x: torch.Tensor) -> kernels.KernelBackend:
         """The per-chunk steps for tensors like ``x``: :data:`vparallel_ce.invariant.OPS` in the
@@ -106,6 +111,11 @@ class Call:
                              pending=deferred_check(target, options, self.layout.vocab_size,
                                                     of_logits=self.matmul_dtype is None))
         return call
+
+    def with_rows(self, counts: tuple[int, ...]) -> "Call":
+        """This call over ``counts`` rows (every rank's with sequence parallelism): the rows that
+        ignored-token compaction keeps, with the plan of their total."""
+        return replace(self, counts=counts, plan=self.replan(sum(counts)))
 
     @property
     def verdict(self) -> "Call":
@@ -179,16 +189,25 @@ class LogitsInputs:
 
 @dataclass(frozen=True)
 class LinearInputs:
-    h: torch.Tensor  # [N, H]
+    h: torch.Tensor  # [N, H] (compacted: [m, H])
     w: torch.Tensor  # [V_local, H]
     b: torch.Tensor | None  # [V_local]
-    target: torch.Tensor  # [N]
-    shape: torch.Size
+    target: torch.Tensor  # [N] (compacted: [m])
+    shape: torch.Size  # the caller's token shape
+    compaction: Compaction | None = None  # the rows h and target are of (None: all, in order)
+
+    def take(self, x: torch.Tensor | None) -> torch.Tensor | None:
+        """More per-token rows ``[N, ...]`` (a teacher's) as ``h`` and ``target`` hold them."""
+        return x if self.compaction is None else self.compaction.take(x)
+
+    def place(self, y: torch.Tensor) -> torch.Tensor:
+        """A per-token output of the op's rows in the caller's order (``[N]``, 0 on rows not run)."""
+        return y if self.compaction is None else self.compaction.place(y)
 
 
 def logits_call(logits, target, *, op: str, group, options: Options, more_checks=None,
                 target_given: bool = True, teacher=None, distillation: DistillShape | None = None,
-                memo: tuple | None = ()) -> tuple[Call, LogitsInputs]:
+                memo: tuple | None = (), support: torch.Tensor | None = None) -> tuple[Call, LogitsInputs]:
     """The front door of ops over vocab-sharded logits ``[..., V_local]``. ``op``: the op's name
     (:data:`~vparallel_ce.agreement.OPS`); ``options``: what the op was given; ``more_checks``: the
     op's own checks of its other inputs, given the local logits (a Problem or None);
@@ -198,7 +217,9 @@ def logits_call(logits, target, *, op: str, group, options: Options, more_checks
     distillation memory model's shape for the plan (None: the CE's); ``memo``: at world 1, what
     ``more_checks`` reads as metadata (:func:`~vparallel_ce.verdicts.tensor_metadata`), with which
     the call's verdict is remembered for the next call of the same metadata
-    (:mod:`vparallel_ce.verdicts`); None: nothing is remembered."""
+    (:mod:`vparallel_ce.verdicts`); None: nothing is remembered. ``support``: the log-prob ops'
+    sampling set (:mod:`vparallel_ce.sampling_set`), whose ids the ranks agree on (checked by
+    ``more_checks``; give ``memo=None`` with it)."""
     o = options
     key = None if group is not None or memo is None else VERDICTS.key(
         op, o, (logits, target), (memo, target_given, distillation))
@@ -212,7 +233,7 @@ def logits_call(logits, target, *, op: str, group, options: Options, more_checks
 
     def facts(target_checksum):  # made only for a group's exchange
         return Facts.of(op=op, options=o, inputs=(logits,), target=target, target_checksum=target_checksum,
-                        target_given=target_given, teacher=teacher)
+                        target_given=target_given, teacher=teacher, support=support)
 
     agreed = agree(problem, group, local_size=lambda: logits.shape[-1], facts=facts, device=_device(logits),
                    options=o, vocab_size=vocab_size, target=target, shard=lambda: shard_checksum(logits),
@@ -230,7 +251,8 @@ def logits_call(logits, target, *, op: str, group, options: Options, more_checks
 def linear_call(hidden, weight, target, bias, *, op: str, group, options: Options, more_checks=None,
                 target_given: bool = True, also_replicated=(), prefix: str = "", teacher=None,
                 distillation: Callable[[torch.Tensor, int], DistillShape] | None = None,
-                memo: tuple | None = ()) -> tuple[Call, LinearInputs]:
+                memo: tuple | None = (), support: torch.Tensor | None = None,
+                compact: bool = False) -> tuple[Call, LinearInputs]:
     """The front door of ops over hidden states and this rank's lm_head shard ``[V_local, H]``
     (arguments as in :func:`logits_call`; ``more_checks`` is given the local hidden, weight and the
     enclosing autocast dtype). ``also_replicated``: more local ``[..., H']`` tensors that must be
@@ -240,7 +262,12 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
     the distillation memory model's shape for the plan, made from the checked local weight and the
     bytes per element of a logits' gradient the op can keep (the matmul dtype's; 0 with sequence
     parallelism or a bias) (None: the CE's plan); ``memo``: as in :func:`logits_call`, the
-    metadata of ``also_replicated`` and ``teacher`` too."""
+    metadata of ``also_replicated`` and ``teacher`` too; ``support``: as in :func:`logits_call`.
+    ``compact``: the inputs may be compacted
+    to the rows whose target counts (:mod:`vparallel_ce.compaction`, as the policy decides; the
+    eager ops ask for it, the compiled ones do not): then ``LinearInputs.h`` and ``target`` hold
+    those rows, the ``Call`` is planned for them, and the op passes its per-token outputs through
+    ``LinearInputs.place``."""
     o = options
     key = None
     if group is None and memo is not None and isinstance(weight, torch.Tensor):
@@ -249,8 +276,10 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
     known = VERDICTS.get(key)
     if known is not None:
         n = target.numel()
-        return known.again(o, target), LinearInputs(_rows(hidden, n, weight.shape[-1]), weight, bias, _flat(target),
-                                                    target.shape)
+        inputs = LinearInputs(_rows(hidden, n, weight.shape[-1]), weight, bias, _flat(target), target.shape)
+        call = known.again(o, target)
+        return _compacted(call, inputs, None, o) if compact and target_given and call.replan is not None \
+            else (call, inputs)
     hidden, weight, target, bias, group, dt_vocab = _unwrap_linear(hidden, weight, target, bias, group,
                                                                    o.sequence_parallel)
     vocab_size = o.vocab_size if dt_vocab is None else dt_vocab
@@ -279,7 +308,7 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
             replicated = sum((hidden_checksum(x) for x in also_replicated), hidden_checksum(hidden))
         return Facts.of(op=op, options=o, inputs=(hidden, weight, bias), target=target, target_checksum=target_checksum,
                         hidden_checksum=replicated, fused=fused, matmul_dtype=matmul, target_given=target_given,
-                        teacher=teacher)
+                        teacher=teacher, support=support)
 
     agreed = agree(problem, group, local_size=lambda: weight.shape[0], facts=facts, device=_device(weight),
                    options=o, vocab_size=vocab_size, target=target, shard=lambda: shard_checksum(weight),
@@ -287,28 +316,69 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
     lay, pending, n = agreed.layout, agreed.pending, target.numel()
     logits = _logits_dtype(o.logits_dtype, matmul)
     sp = sp and lay.sharded
+    valid = agreed.valid_counts
     if not sp:
         counts = (n,)
     elif agreed.counts is not None:  # the exchange carried every rank's token count
         counts = agreed.counts
-    else:  # check=False with a known vocab size: no exchange so far
-        counts = tuple(row[0] for row in comm.all_gather_ints([n], lay.group, weight.device))
+    else:  # check=False with a known vocab size: no exchange so far (the valid counts ride along)
+        rows = comm.all_gather_ints([n, (_flat(target) != o.ignore_index).sum()], lay.group, weight.device)
+        counts, valid = tuple(row[0] for row in rows), tuple(row[1] for row in rows)
     policy = o.policy or _policy.DEFAULT_POLICY
+    replan = None
     if o.batch_invariant:
         plan = invariant.plan(policy, sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1],
                               reduction=o.reduction, chunks=o.chunks, logits_dtype=logits)
     else:
-        plan = policy.plan(sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1],
-                           reduction=o.reduction, chunks=o.chunks, schedule=o.schedule, recompute=o.recompute,
-                           fused=fused, logits_dtype=logits,
-                           distillation=None if distillation is None else distillation(
-                               weight, 0 if sp or bias is not None else matmul.itemsize))
+        # the plan of any token count (ignored-token compaction plans the rows it keeps): only
+        # values, no tensor, so a remembered verdict keeps nothing alive
+        replan = functools.partial(
+            policy.plan, vocab_size=lay.vocab_size, tp_degree=lay.world, hidden_size=weight.shape[-1],
+            reduction=o.reduction, chunks=o.chunks, schedule=o.schedule, recompute=o.recompute, fused=fused,
+            logits_dtype=logits, distillation=None if distillation is None else distillation(
+                weight, 0 if sp or bias is not None else matmul.itemsize))
+        plan = replan(sum(counts))
+        if distillation is None:  # (the distillation plans' chunks are bounded by the budget at any count)
+            replan = functools.partial(_no_larger, replan, plan, sum(counts), lay.vocab_size, lay.world,
+                                       hidden_size=weight.shape[-1], dtype=matmul, grad_dtype=weight.dtype,
+                                       logits_dtype=logits)
     call = Call(lay, _spec(lay, o), o.reduction, plan, o.check, sp, counts, matmul, logits, chosen,
-                _divisor(o, weight.device), pending, o.batch_invariant)
+                _divisor(o, weight.device), pending, o.batch_invariant, replan)
     if key is not None:
         VERDICTS.remember(key, call.verdict)
     inputs = LinearInputs(_rows(hidden, n, weight.shape[-1]), weight, bias, _flat(target), target.shape)
+    if compact and replan is not None and target_given:
+        return _compacted(call, inputs, valid if sp or valid is None else valid[:1], o)
     return call, inputs
+
+
+def _no_larger(replan, uncompacted: Plan, all_tokens: int, vocab_size: int, tp_degree: int, num_tokens: int,
+               **model) -> Plan:
+    """The plan of ``num_tokens`` kept rows, no larger in peak than the ``uncompacted`` one
+    (:meth:`~vparallel_ce.policy.ChunkPolicy.compacted_plan`)."""
+    return _policy.ChunkPolicy.compacted_plan(replan(num_tokens), num_tokens, uncompacted, all_tokens, vocab_size,
+                                              tp_degree, **model)
+
+
+def _compacted(call: Call, inp: LinearInputs, valid: tuple[int, ...] | None, o: Options
+               ) -> tuple[Call, LinearInputs]:
+    """The call and its inputs over the rows whose target counts, where the policy compacts
+    (:mod:`vparallel_ce.compaction`); as they are otherwise. ``valid``: the valid-target count of
+    every rank (sequence parallel) or of this rank's replicated target, where the host knows it
+    (None: read here if the policy accepts that host sync)."""
+    policy = o.policy or _policy.DEFAULT_POLICY
+    if valid is None:  # (a small world-1 call leaves here: host time before its first GEMM)
+        if not policy.reads_valid_count(call.counts[0], inp.w.shape[-1], call.layout.local_size) \
+                or kernels.is_fake(inp.target):
+            return call, inp
+        valid = (valid_count(inp.target, o.ignore_index),)  # a replicated target: the same on every rank
+    kept = policy.kept_rows(call.counts, valid)
+    if kept is None:
+        return call, inp
+    me = call.layout.rank if call.sequence_parallel else 0
+    total = call.counts[me]
+    rows = Compaction(None if kept[me] == total else compacted_rows(inp.target, o.ignore_index, kept[me]), total)
+    return call.with_rows(kept), replace(inp, h=rows.take(inp.h), target=rows.take(inp.target), compaction=rows)
 
 
 def settles_check(backward):

@@ -79,13 +79,18 @@ def distillation_call(student, teacher, target, *, group, options: Options
     return call, inp, _topk_rows(teacher, call, inp.target, options, given)
 
 
-def _topk_rows(teacher: TopKTeacher, call: Call, target: torch.Tensor, options: Options, given: bool) -> TopKRows:
+def _topk_rows(teacher: TopKTeacher, call: Call, target: torch.Tensor, options: Options, given: bool,
+               inputs: LinearInputs | None = None) -> TopKRows:
     """A (checked, agreed) sparse teacher's ``[N, k]`` rows, its values checked with ``check``
     (:func:`~vparallel_ce.validate.check_topk_values`, on the tokens that count: all of them
     without a target) -- with sequence parallelism on each rank's own rows, the ranks joining
-    their verdicts. A compiled op's fake run has no values: its real run checks them."""
-    n, k = target.numel(), teacher.ids.shape[-1]
+    their verdicts. A compiled op's fake run has no values: its real run checks them.
+    ``inputs``: the linear op's, whose rows (compacted: those whose target counts) the teacher's
+    rows are taken as; ``target`` is theirs."""
+    n, k = (target.numel() if inputs is None else inputs.shape.numel()), teacher.ids.shape[-1]
     rows = TopKRows(_rows(teacher.ids, n, k).to(torch.int64), _rows(teacher.logprobs, n, k), TailMode(teacher.tail))
+    if inputs is not None and inputs.compaction is not None:
+        rows = TopKRows(inputs.take(rows.ids), inputs.take(rows.logprobs), rows.tail)
     if options.check and not kernels.is_fake(rows.ids):
         valid = target != options.ignore_index if given else None
         check_topk_values(rows.ids, rows.logprobs, valid, call.layout.vocab_size, rows.tail,
@@ -94,7 +99,7 @@ def _topk_rows(teacher: TopKTeacher, call: Call, target: torch.Tensor, options: 
 
 
 def linear_distillation_call(student_hidden, student_weight, teacher_hidden, teacher_weight, target, student_bias,
-                             teacher_bias, *, group, options: Options
+                             teacher_bias, *, group, options: Options, compact: bool = False
                              ) -> tuple[Call, LinearInputs, TeacherInputs | TopKRows]:
     """The front door of :func:`vparallel_ce.linear_distillation_loss`: :func:`linear_call` on the
     student's side, with the teacher's checked against it, and the teacher's local rows besides.
@@ -106,7 +111,8 @@ def linear_distillation_call(student_hidden, student_weight, teacher_hidden, tea
     the student's token dims -- with sequence parallelism this rank's tokens, as the hidden
     states -- and its values are checked as :func:`distillation_call` checks them, the ranks
     joining their verdicts when each holds its own tokens. Without a target the call exchanges a
-    stand-in of zeros, as :func:`distillation_call`."""
+    stand-in of zeros, as :func:`distillation_call`. ``compact``: as in :func:`linear_call` (the
+    teacher's rows are taken as the student's)."""
     given = target is not None
     target = target if given else _stand_in_target(student_hidden)
     sp = bool(options.sequence_parallel)
@@ -127,10 +133,10 @@ def linear_distillation_call(student_hidden, student_weight, teacher_hidden, tea
         memo = _topk_memo(teacher, teacher.ids, teacher.logprobs, teacher_weight, teacher_bias)
         call, inp = linear_call(student_hidden, student_weight, target, student_bias, op="linear_distillation_loss",
                                 group=group, options=options, more_checks=more_checks, target_given=given,
-                                prefix="student_", teacher=teacher, memo=memo,
+                                prefix="student_", teacher=teacher, memo=memo, compact=compact,
                                 distillation=lambda weight, grad_bytes: _distill_shape(
                                     options, (weight,), (weight.shape[-1], 0), dense=False, grad_bytes=grad_bytes))
-        return call, inp, _topk_rows(teacher, call, inp.target, options, given)
+        return call, inp, _topk_rows(teacher, call, inp.target, options, given, inp)
     memo = tensor_metadata(teacher_hidden, teacher_weight, teacher_bias)
     if memo is None:  # (plain tensors unwrap to themselves)
         t_hidden, t_weight, _, t_bias, _, _ = _unwrap_linear(teacher_hidden, teacher_weight, None, teacher_bias, None,
@@ -145,10 +151,11 @@ def linear_distillation_call(student_hidden, student_weight, teacher_hidden, tea
     call, inp = linear_call(student_hidden, student_weight, target, student_bias, op="linear_distillation_loss",
                             group=group, options=options, more_checks=more_checks, target_given=given,
                             also_replicated=(t_hidden,), prefix="student_",
-                            memo=memo,
+                            memo=memo, compact=compact,
                             distillation=lambda weight, grad_bytes: _distill_shape(
                                 options, (weight,), (weight.shape[-1], t_weight.shape[-1]), grad_bytes=grad_bytes))
-    return call, inp, TeacherInputs(_rows(t_hidden, inp.target.numel(), t_weight.shape[-1]), t_weight, t_bias)
+    t_rows = inp.take(_rows(t_hidden, inp.shape.numel(), t_weight.shape[-1]))
+    return call, inp, TeacherInputs(t_rows, t_weight, t_bias)
 
 
 def _topk_memo(teacher: TopKTeacher, *tensors) -> tuple | None:

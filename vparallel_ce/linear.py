@@ -107,8 +107,11 @@ def linear_cross_entropy(
     if torch.compiler.is_compiling():  # one custom op in the graph (vparallel_ce.compiled)
         out, shape = compiled.apply("linear_cross_entropy", (hidden, weight, target, bias), group, options)
     else:
-        call, inp = linear_call(hidden, weight, target, bias, op="linear_cross_entropy", group=group, options=options)
+        call, inp = linear_call(hidden, weight, target, bias, op="linear_cross_entropy", group=group, options=options,
+                                compact=True)
         out, shape = _LinearCrossEntropy.apply(inp.h, inp.w, inp.b, inp.target, call), inp.shape
+        if reduction == "none":  # (compacted: the kept rows' losses back in the caller's order)
+            out = inp.place(out)
     return out.reshape(shape) if reduction == "none" else out
 
 

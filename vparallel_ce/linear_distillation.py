@@ -39,7 +39,7 @@ import torch
 
 from . import compiled
 from .autocast import autocast_off
-from .call import Call, settles_check
+from .call import Call, LinearInputs, settles_check
 from .distillation_call import TopKRows, linear_distillation_call
 from .divergence import DistillSpec, token_loss
 from .chunk_walk import Grads, Rows, Schedule, cat_parts, chunk_losses, scale_unit_grads, scale_valid_unit_grads
@@ -134,17 +134,23 @@ def linear_distillation_loss(
 # then eager, between two graphs
 @torch.compiler.disable
 def _eager(student: tuple, teacher: tuple, group, options: Options):
-    args, shape = _start(student, teacher, group=group, options=options)
+    args, shape, inp = _start(student, teacher, group=group, options=options, compact=True)
     h, w, b, target, source, target_given, _, call = args
-    return _LinearDistillation.apply(*args, _Walk(call, h, w, b, target, source, target_given)), shape
+    out = _LinearDistillation.apply(*args, _Walk(call, h, w, b, target, source, target_given))
+    # (compacted: the kept rows' losses back in the caller's order)
+    return (inp.place(out) if options.reduction == "none" else out), shape
 
 
-def _start(student: tuple, teacher: tuple, *, group, options: Options) -> tuple[tuple, torch.Size]:
+def _start(student: tuple, teacher: tuple, *, group, options: Options, compact: bool = False
+           ) -> tuple[tuple, torch.Size, LinearInputs]:
     """The front door on ``(hidden, weight, target, bias)`` of the student and ``(hidden, weight,
     bias)`` of the teacher (a top-k record in place of its hidden states), then
-    :class:`_LinearDistillation`'s arguments and the per-token shape."""
+    :class:`_LinearDistillation`'s arguments, the per-token shape and the student's inputs (their
+    ``place`` puts per-token losses back in the caller's order). ``compact``: as in
+    :func:`vparallel_ce.call.linear_call` (the eager op's)."""
     (h, w, target, b), (th, tw, tb) = student, teacher
-    call, inp, rows = linear_distillation_call(h, w, th, tw, target, b, tb, group=group, options=options)
+    call, inp, rows = linear_distillation_call(h, w, th, tw, target, b, tb, group=group, options=options,
+                                               compact=compact)
     spec = DistillSpec.of(options)
     if isinstance(rows, TopKRows):
         source = _TopKSource(rows.ids, rows.logprobs.detach(), TopKMath(rows.tail))
@@ -152,7 +158,7 @@ def _start(student: tuple, teacher: tuple, *, group, options: Options) -> tuple[
         # a constant (each detach is a new tensor object: host time before the first GEMM)
         source = _LogitsSource(*(x.detach() if x is not None and x.requires_grad else x
                                  for x in (rows.h, rows.w, rows.b)))
-    return (inp.h, inp.w, inp.b, inp.target, source, target is not None, spec, call), inp.shape
+    return (inp.h, inp.w, inp.b, inp.target, source, target is not None, spec, call), inp.shape, inp
 
 
 @dataclass(frozen=True)
@@ -366,7 +372,7 @@ def _compiled_start(tensors, *, op: str, group, options: Options):
     """:func:`_start` on the compiled op's inputs (:func:`vparallel_ce.teacher.graph_inputs`)."""
     teacher = teacher_of(op, tensors[4:])
     rest = (teacher, None, None) if isinstance(teacher, TopKTeacher) else (teacher, *tensors[5:])
-    return _start(tuple(tensors[:4]), rest, group=group, options=options)
+    return _start(tuple(tensors[:4]), rest, group=group, options=options)[:2]
 
 
 # the compiled op's inputs: the student's (hidden, weight, target, bias), then the teacher's (hidden,

@@ -31,6 +31,8 @@ from .cross_entropy import logits_gradient, logits_statistics
 from .chunk_walk import Grads, KeptLogits, Schedule
 from .gemm import matmul_inputs
 from .policy import ChunkPolicy
+from .sampling_masks import SamplingMasks
+from .sampling_set import check_support, check_support_values, linear_set_logprobs, set_chunks, set_logprobs
 from .stats import compute_dtype, logprob_grad_coefs
 
 __all__ = ["token_logprobs", "linear_token_logprobs"]
@@ -49,6 +51,10 @@ def token_logprobs(
     policy: ChunkPolicy | None = None,
     check: bool = True,
     batch_invariant: bool = False,
+    support: torch.Tensor | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ):
     r"""``log_softmax(logits / temperature)[target]`` per token, from logits sharded along the vocab.
 
@@ -61,14 +67,32 @@ def token_logprobs(
         with_entropy: also return the entropy of that distribution per token.
         group, vocab_size, chunks, policy, check, batch_invariant: as in :func:`vparallel_ce.cross_entropy`
             (``docs/rl.md``, "Batch invariance").
+        support: ``[..., K]`` int64 GLOBAL vocab ids per token, padded with ``-1``: the rollout's
+            sampling set (a row of ``-1``: the whole vocabulary). The log-probs and entropy are then
+            over the set, ``z_t - logsumexp_{j in S} z_j`` (``docs/rl.md``, "Log-probs over the
+            sampling set"); the target must be in its row's set. Not with ``batch_invariant``.
+        top_k, top_p, min_p: rebuild the set from the logits as vLLM's sampler masks them (at
+            ``temperature``; ties at the boundary kept, :mod:`vparallel_ce.sampling_masks`), for
+            engines that send no set. Not with ``support`` or ``batch_invariant``.
 
     Returns:
         ``logprobs`` of ``target``'s shape, fp32 (fp64 for fp64 logits); with ``with_entropy`` the
         pair ``(logprobs, entropy)``. Equal to ``-cross_entropy(logits / T, target, reduction="none")``.
     """
     options = Options(reduction="none", ignore_index=ignore_index, temperature=temperature, with_entropy=with_entropy,
-                      chunks=chunks, policy=policy, vocab_size=vocab_size, check=check, batch_invariant=batch_invariant)
-    if torch.compiler.is_compiling():  # one custom op in the graph (vparallel_ce.compiled)
+                      chunks=chunks, policy=policy, vocab_size=vocab_size, check=check, batch_invariant=batch_invariant,
+                      top_k=top_k, top_p=top_p, min_p=min_p)
+    if support is not None or options.masks:
+        _refuse_compiled()
+        masks = SamplingMasks(top_k, top_p, min_p)
+        call, inp = logits_call(logits, target, op="token_logprobs", group=group, options=options, memo=None,
+                                support=support, more_checks=lambda _: check_support(support, target, masks,
+                                                                                     batch_invariant))
+        flat = _checked_support(support, inp.target, call)
+        logp, entropy = set_logprobs(inp.x, inp.target, flat, call, options,
+                                     set_chunks(call, 0 if flat is None else flat.shape[-1], 0, chunks))
+        shape = inp.shape
+    elif torch.compiler.is_compiling():  # one custom op in the graph (vparallel_ce.compiled)
         (logp, entropy), shape = compiled.apply("token_logprobs", (logits, target), group, options)
     else:
         call, inp = logits_call(logits, target, op="token_logprobs", group=group, options=options)
@@ -95,6 +119,10 @@ def linear_token_logprobs(
     check_replicated: bool = True,
     logits_dtype: torch.dtype | None = None,
     batch_invariant: bool = False,
+    support: torch.Tensor | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ):
     r""":func:`token_logprobs` of ``hidden @ weight.T + bias`` without materialising the
     ``[N, V_local]`` logits: the statistics pass of :func:`vparallel_ce.linear_cross_entropy` in
@@ -113,6 +141,10 @@ def linear_token_logprobs(
             logits"); ``None`` (default): logits in the matmul dtype. As in
             :func:`vparallel_ce.linear_cross_entropy`.
         batch_invariant: as in :func:`vparallel_ce.linear_cross_entropy`.
+        support, top_k, top_p, min_p: as in :func:`token_logprobs` (``support`` split like
+            ``target`` with ``sequence_parallel``). With ``support`` only the kept ids' logits are
+            made where that is cheaper (their weight rows gathered, ``O(N K H)``;
+            :mod:`vparallel_ce.sampling_set`).
 
     Returns:
         As :func:`token_logprobs`: fp32 (fp64 for fp64 inputs) per-token values of ``target``'s
@@ -122,16 +154,47 @@ def linear_token_logprobs(
     options = Options(reduction="none", ignore_index=ignore_index, temperature=temperature, with_entropy=with_entropy,
                       chunks=chunks, policy=policy, vocab_size=vocab_size, sequence_parallel=sequence_parallel,
                       check=check, check_replicated=check_replicated, logits_dtype=logits_dtype,
-                      batch_invariant=batch_invariant)
-    if torch.compiler.is_compiling():  # one custom op in the graph (vparallel_ce.compiled)
+                      batch_invariant=batch_invariant, top_k=top_k, top_p=top_p, min_p=min_p)
+    if support is not None or options.masks:
+        _refuse_compiled()
+        masks = SamplingMasks(top_k, top_p, min_p)
+        call, inp = linear_call(hidden, weight, target, bias, op="linear_token_logprobs", group=group,
+                                options=options, memo=None, support=support,
+                                more_checks=lambda *_: check_support(support, target, masks, batch_invariant))
+        flat = _checked_support(support, inp.target, call)
+        logp, entropy = linear_set_logprobs(inp.h, inp.w, inp.b, inp.target, flat, call, options,
+                                            set_chunks(call, 0 if flat is None else flat.shape[-1], inp.w.shape[-1],
+                                                       chunks))
+        shape = inp.shape
+    elif torch.compiler.is_compiling():  # one custom op in the graph (vparallel_ce.compiled)
         (logp, entropy), shape = compiled.apply("linear_token_logprobs", (hidden, weight, target, bias), group,
                                                 options)
     else:
         call, inp = linear_call(hidden, weight, target, bias, op="linear_token_logprobs", group=group,
-                                options=options)
+                                options=options, compact=True)
         (logp, entropy), shape = _LinearTokenLogprobs.apply(inp.h, inp.w, inp.b, inp.target, call), inp.shape
+        # (compacted: the kept rows' values back in the caller's order, 0 on the ignored rows)
+        logp, entropy = inp.place(logp), inp.place(entropy)
     logp = logp.reshape(shape)
     return (logp, entropy.reshape(shape)) if with_entropy else logp
+
+
+def _refuse_compiled() -> None:
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("support= and top_k/top_p/min_p are not supported inside torch.compile: call the "
+                                  "log-prob op outside the compiled region")
+
+
+def _checked_support(support, target: torch.Tensor, call: Call):
+    """The set as ``[N, K]`` rows (None with the masks), its values checked with ``check``."""
+    if support is None:
+        call.settle()
+        return None
+    flat = support.reshape(target.numel(), support.shape[-1])
+    call.settle()  # the world-1 target range check: the set path reads the host anyway
+    if call.check:
+        check_support_values(flat, target, call)
+    return flat
 
 
 def _outputs(st, valid):

@@ -46,6 +46,8 @@ class Options:
         check, check_replicated: the call's exchange and checks, and the replicated-hidden check.
         batch_invariant: every per-token output (and each token's gradient row) bitwise the same
             whatever the other tokens of the call (:mod:`vparallel_ce.invariant`).
+        top_k, top_p, min_p: the log-prob ops' sampling masks, the kept set rebuilt from the logits
+            at ``temperature`` (:mod:`vparallel_ce.sampling_masks`); None: no such mask.
         mtp_heads, mtp_scale, mtp_counts: a multi-token-prediction loss (:func:`vparallel_ce.linear_mtp_loss`):
             its number of heads (0: not an MTP call), the weight of the mean over its depths, and the
             divisor of each head's mean as given (``[heads]`` integers, or None: each head's own count).
@@ -75,6 +77,14 @@ class Options:
     mtp_heads: int = 0
     mtp_scale: float = 0.0
     mtp_counts: torch.Tensor | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+
+    @property
+    def masks(self) -> bool:
+        """A sampling mask is asked for (``top_k``, ``top_p`` or ``min_p``)."""
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
 
     def as_kwargs(self) -> dict:
         """The fields by name (what :func:`vparallel_ce.validate.check_options` takes)."""

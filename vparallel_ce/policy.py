@@ -63,6 +63,12 @@ class ChunkPolicy:
             ``chunks="auto"`` the call takes one token chunk if that fits, else the fewest vocab
             blocks that do, else blocks ``H`` wide (the floor: narrower ones lower nothing). Takes
             precedence over ``budget_bytes`` there.
+        compact: the linear ops' ignored-token compaction (:meth:`kept_rows`: the lm_head runs over
+            the rows whose target counts, rounded up to ``COMPACT_ROW_ALIGN`` with ignored ones).
+            ``None`` (default): where the valid count is on the host already (a group's exchange,
+            sequence parallelism's gathered counts), or where reading it costs under ~1% of the
+            call (:meth:`reads_valid_count`); ``True``: always, reading the count where it is not
+            (one host sync); ``False``: never.
     """
 
     budget_bytes: int | None = None
@@ -70,6 +76,7 @@ class ChunkPolicy:
     block_columns: int = 8192
     microbatches_in_flight: int = 1
     memory_bytes: int | None = None
+    compact: bool | None = None
     # the fields' problem, found once at construction and part of equality: a policy holding
     # ``microbatches_in_flight=True`` equals one holding 1 field by field, and must not find that
     # one's cached plan or its front-door check passed
@@ -87,6 +94,49 @@ class ChunkPolicy:
         construction: the ops check it at their front door, so that a bad policy on one rank
         raises on every rank of the group; :meth:`plan` and ``explain`` raise it too."""
         return self._problem
+
+    def reads_valid_count(self, num_tokens: int, hidden_size: int, local_vocab_size: int) -> bool:
+        """Whether a call whose valid-token count is not on the host reads it there for compaction
+        (a host sync: from behind queued work the GPU idles while the host then launches the
+        call, ~0.1 ms): with ``compact=True``, or by default where one lm_head GEMM
+        (``N * H * V_loc`` multiply-adds) is at least ``COMPACT_READ_MIN_WORK``, a call of ~10 ms
+        or more on an H100, so that the sync costs under ~1% when nothing is ignored."""
+        if self.compact is not None:
+            return self.compact
+        return num_tokens * hidden_size * local_vocab_size >= COMPACT_READ_MIN_WORK
+
+    def kept_rows(self, counts: tuple[int, ...], valid_counts: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The rows each rank's lm_head runs over after compaction, from every rank's token and
+        valid-token counts (a pure function of them: every rank finds the same), or None: no
+        compaction. A rank keeps its valid rows rounded up to a multiple of ``COMPACT_ROW_ALIGN``
+        (at least one such group; ignored rows fill them, and an all-ignored call runs as it would
+        uncompacted, over a few rows) and never more than it holds. Only worth it where that
+        drops at least ``1 / COMPACT_MIN_DROP`` of the rows: fewer, and the rows' gather and
+        scatter cost about what the GEMMs save."""
+        if self.compact is False:
+            return None
+        kept = tuple(min(n, -(-max(v, 1) // COMPACT_ROW_ALIGN) * COMPACT_ROW_ALIGN)
+                     for n, v in zip(counts, valid_counts))
+        dropped = sum(counts) - sum(kept)
+        return kept if dropped > 0 and dropped * COMPACT_MIN_DROP >= sum(counts) else None
+
+    @staticmethod
+    def compacted_plan(plan: Plan, num_tokens: int, uncompacted: Plan, all_tokens: int, vocab_size: int,
+                       tp_degree: int, *, hidden_size: int, dtype: torch.dtype, grad_dtype: torch.dtype | None = None,
+                       logits_dtype: torch.dtype | None = None) -> Plan:
+        """The plan a compacted ``linear_cross_entropy`` / ``linear_token_logprobs`` call runs over
+        its ``num_tokens`` kept rows: ``plan`` (the policy's for them), unless its peak
+        (:func:`peak_bytes`) is above the ``uncompacted`` plan's over ``all_tokens`` -- fewer rows
+        can make one token chunk fit the budget, whose logits then outweigh the vocab blocks'
+        floor -- and then ``uncompacted`` itself, whose peak over fewer rows is no larger: a
+        compacted call never takes more memory than the uncompacted one."""
+        if plan == uncompacted:
+            return plan
+        kw = dict(hidden_size=hidden_size, dtype=dtype, grad_dtype=grad_dtype, logits_dtype=logits_dtype)
+        if peak_bytes(plan, num_tokens, vocab_size, tp_degree, **kw) > \
+                peak_bytes(uncompacted, all_tokens, vocab_size, tp_degree, **kw):
+            return uncompacted
+        return plan
 
     @property
     def budget(self) -> int:
@@ -364,6 +414,13 @@ def _distill_reason(policy: ChunkPolicy, num_tokens: int, vocab_size: int, tp_de
     return text
 
 
+# Ignored-token compaction (ChunkPolicy.kept_rows, reads_valid_count; docs/policy.md): rows kept
+# in groups of 8 (the GEMMs' K of dW stays a multiple of 8), only where at least 1/32 of the rows
+# go, and at world 1 only for calls whose one GEMM is at least 2^40 multiply-adds (the host read).
+COMPACT_ROW_ALIGN = 8
+COMPACT_MIN_DROP = 32
+COMPACT_READ_MIN_WORK = 1 << 40
+
 # Default bound on one chunk's fp32 logits. See docs/policy.md for the sweep behind it.
 DEFAULT_BUDGET_BYTES = 1 * GiB
 _PLANS: dict = {}  # ChunkPolicy.plan's memo
@@ -385,6 +442,7 @@ _FIELD_RULES = {
     "block_columns": (_count, "an int >= 1"),
     "microbatches_in_flight": (_count, "an int >= 1"),
     "memory_bytes": (_bytes, "a number of bytes >= 0 or None"),
+    "compact": (lambda value: value is None or isinstance(value, bool), "True, False or None"),
 }
 
 

@@ -65,7 +65,8 @@ from . import comm
 
 __all__ = ["LossSpec", "ChunkStats", "TokenStats", "GradCoefs", "local_targets", "block_targets", "local_stats",
            "finite_shift", "merge", "combine", "whole_vocab", "token_loss", "loss_grad_coefs", "token_weights",
-           "unit_loss_coefs", "scale_coefs", "loss_stats_grad_", "scale_rows", "logprob_grad_coefs", "grad_logits"]
+           "unit_loss_coefs", "scale_coefs", "loss_stats_grad_", "scale_rows", "logprob_grad_coefs", "grad_logits",
+           "scaled_logits"]
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,12 @@ def block_targets(local_target: torch.Tensor, owned: torch.Tensor, start: int, s
     ``(index clamped into the block, owned by the block)``."""
     in_block = owned & (local_target >= start) & (local_target < stop)
     return (local_target - start).clamp(0, max(stop - start - 1, 0)), in_block
+
+
+def scaled_logits(x: torch.Tensor, spec: LossSpec) -> torch.Tensor:
+    """``z`` of the notation above: the logits in the compute dtype, soft-capped and divided by the
+    temperature (a product, rounded as the kernels round it)."""
+    return _transform(x, spec)
 
 
 def _transform(x: torch.Tensor, spec: LossSpec) -> torch.Tensor:

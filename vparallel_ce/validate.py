@@ -23,7 +23,7 @@ from .topk import TAIL_MODES
 
 __all__ = [
     "Problem", "InvalidInputError", "check_options", "check_call_options", "check_logits", "check_teacher",
-    "check_topk_teacher", "check_topk_values", "TOPK_SUM_TOL", "check_linear", "check_linear_teacher", "SCHEDULES",
+    "check_topk_teacher", "check_topk_values", "raise_values_problem", "TOPK_SUM_TOL", "check_linear", "check_linear_teacher", "SCHEDULES",
 ]
 
 
@@ -80,6 +80,9 @@ _OPTION_CHECKS = {
     "beta": (lambda v: not isinstance(v, bool) and 0.0 <= float(v) <= 1.0, "in [0, 1]"),
     "hard_weight": (lambda v: not isinstance(v, bool) and 0 <= float(v) < float("inf"), "a finite number >= 0"),
     "logits_dtype": (lambda v: v is None or v is torch.float32, "None or torch.float32"),
+    "top_k": (lambda v: v is None or _is_int(v, 1, 2**31), "an int >= 1 or None"),
+    "top_p": (lambda v: v is None or (not isinstance(v, bool) and 0.0 < float(v) <= 1.0), "in (0, 1] or None"),
+    "min_p": (lambda v: v is None or (not isinstance(v, bool) and 0.0 <= float(v) <= 1.0), "in [0, 1] or None"),
     "num_valid_tokens": (lambda v: v is None or _is_int(v, 0, 2**62) or _integer_scalar(v),
                          "an int >= 0, a one-element integer tensor or None"),
     "mtp_heads": (lambda v: v == 0 or _is_int(v, 2, 2**16), "an int in [2, 65536] (the main head and 1+ depths)"),
@@ -263,9 +266,15 @@ def check_topk_values(ids: torch.Tensor, logprobs: torch.Tensor, valid: torch.Te
     values (the exchange compares their checksums), so every rank raises the same error -- or,
     with ``group`` (sequence parallelism: each rank holds its own tokens' rows), after one more
     all-gather of every rank's verdict, naming the ranks whose rows are bad."""
-    problem = _topk_problem(ids, logprobs, valid, vocab_size, tail)
+    raise_values_problem(_topk_problem(ids, logprobs, valid, vocab_size, tail), group, ids.device)
+
+
+def raise_values_problem(problem: str | None, group, device) -> None:
+    """Raise a values check's ``problem`` (None: fine) as an :class:`InvalidInputError` -- with
+    ``group`` (each rank checked its own rows) on every rank, after one all-gather of the ranks'
+    verdicts and, only if one is bad, of their messages, naming the ranks."""
     if group is not None and comm.is_sharded(group):
-        bad = [r for r, (flag,) in enumerate(comm.all_gather_ints([problem is not None], group, ids.device)) if flag]
+        bad = [r for r, (flag,) in enumerate(comm.all_gather_ints([problem is not None], group, device)) if flag]
         if not bad:
             return
         said = comm.all_gather_objects(problem, group)

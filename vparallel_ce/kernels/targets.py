@@ -1,9 +1,9 @@
 """The front door's target range check, target checksum and replication checksum, one launch each
 (:func:`vparallel_ce.agreement.agree`).
 
-``[lo, hi, checksum]`` with ``lo = min(0, smallest valid id)`` and ``hi = max(0, largest valid id)`` (ignored
+``[lo, hi, checksum, valid]`` with ``lo = min(0, smallest valid id)`` and ``hi = max(0, largest valid id)`` (ignored
 ids count as 0): every valid id lies in ``[0, V)`` exactly when ``lo >= 0`` and ``hi < V``, and an
-out-of-range id, if any, is ``lo`` (when negative) or ``hi``. ``checksum`` is what the ranks of a group
+out-of-range id, if any, is ``lo`` (when negative) or ``hi``, and ``valid`` counts the valid ids. ``checksum`` is what the ranks of a group
 compare: a sum over positions of a mix of (position, id) (:func:`vparallel_ce.checksums.target_checksum`,
 whose torch version this kernel reproduces bit for bit), exact in any order since integer sums
 wrap, and changed by any permutation or shift of the ids. Given the vocab size, the same launch
@@ -53,11 +53,14 @@ def _facts_kernel(T, N, ignore_index, vocab_size, OUT, BAD, COUNT, BLOCK: tl.con
         t = tl.where(t == ignore_index, 0, t)
         lo = tl.minimum(lo, t)
         hi = tl.maximum(hi, t)
-    # one vector store of all three (Triton 3.6's interpreter would not store a reduced scalar alone)
+    # one vector store of all four (Triton 3.6's interpreter would not store a reduced scalar alone);
+    # with FLAG the fourth slot is not written (at world 1 OUT is the pinned span, whose last slot
+    # holds a tensor num_valid_tokens)
     slot = tl.arange(0, 4)
     least, most = tl.min(lo, axis=0), tl.max(hi, axis=0)
-    vals = tl.where(slot == 0, least, tl.where(slot == 1, most, tl.sum(acc, axis=0)))
-    tl.store(OUT + slot, vals, mask=slot < 3)
+    vals = tl.where(slot == 0, least, tl.where(slot == 1, most,
+                                               tl.where(slot == 2, tl.sum(acc, axis=0), tl.sum(valid, axis=0))))
+    tl.store(OUT + slot, vals, mask=slot < (3 if FLAG else 4))
     if FLAG:
         bad = (least < 0) | (most >= vocab_size)
         tl.store(BAD + slot, tl.where(slot == 0, bad, False), mask=slot < 1)
@@ -68,18 +71,20 @@ def _facts_kernel(T, N, ignore_index, vocab_size, OUT, BAD, COUNT, BLOCK: tl.con
 
 def target_facts(target: torch.Tensor, ignore_index: int, vocab_size: int | None = None, *,
                  out: torch.Tensor | None = None):
-    """``[lo, hi, checksum]`` (int64, on ``target``'s device) of ``target``, in one launch; with
-    ``vocab_size``, ``(facts, bad, count)``: ``bad`` a 0-dim bool on the device, whether a valid id
+    """``[lo, hi, checksum, valid]`` (int64, on ``target``'s device) of ``target``, in one launch
+    (``valid``: the count of ids that are not ``ignore_index``, which ignored-token compaction reads
+    from a group's exchange); with ``vocab_size``, ``(facts, bad, count)`` (``facts`` the first three): ``bad`` a 0-dim bool on the device, whether a valid id
     lies outside ``[0, vocab_size)`` (what a device-side guard masks with, no further launch), and
     ``count`` the number of valid ids as a 0-dim fp32, NaN where ``bad`` (a mean divided by it
-    comes out NaN on a bad id with no masking pass). ``out``: an int64 ``[3]`` the facts are written
+    comes out NaN on a bad id with no masking pass). ``out``: an int64 ``[3]`` (``[4]`` without
+    ``vocab_size``) the facts are written
     into instead -- pinned host memory, which the kernel writes across the bus with no copy
     launched after it."""
     t = target.reshape(-1)
     if not t.is_contiguous():
         t = t.contiguous()
-    out = torch.empty(3, dtype=torch.int64, device=t.device) if out is None else out
     flag = vocab_size is not None
+    out = torch.empty(3 if flag else 4, dtype=torch.int64, device=t.device) if out is None else out
     bad = torch.empty(1, dtype=torch.bool, device=t.device) if flag else out
     count = torch.empty(1, dtype=torch.float32, device=t.device) if flag else out
     _facts_kernel[(1,)](t, t.numel(), ignore_index, vocab_size if flag else 0, out, bad, count, BLOCK=BLOCK,

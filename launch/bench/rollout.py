@@ -1,0 +1,191 @@
+"""Log-probs over the rollout's sampling set: ``linear_token_logprobs(..., support=ids)`` forward +
+backward at a Qwen3-8B lm_head, against the full-vocabulary op and the plain alternatives.
+
+Methods (each the loss ``-(adv * logp).mean()`` and its backward into hidden and weight):
+
+* ``set:K`` -- ``linear_token_logprobs(h, w, t, support=ids)`` with ``K`` kept ids per token (random
+  distinct ids holding the target, as an engine's top-k/top-p set);
+* ``full`` -- ``linear_token_logprobs(h, w, t)`` over the whole vocabulary (what the set replaces);
+* ``compile:K`` -- ``torch.compile`` of the gathered way: logits ``h @ w.T``, the kept ids'
+  logits scattered into a ``-inf`` row, ``log_softmax``, gather of the target;
+* ``verl`` -- verl's fused linear log-prob kernel (``verl.utils.kernel.linear_cross_entropy``, full
+  vocabulary: it has no set), where importable (``--verl-path`` as in ``launch.bench.rl``).
+
+Shapes: ``qwen3-8b`` (N=8192, H=4096, V=151936) and ``qwen3-8b-tp8``, one rank's share of a TP=8
+group on one GPU: its vocab shard (V=18992) with ``ceil(K/8)`` of each row's ids in it. Reports
+the median ms (CUDA events, rounds), peak GiB and the errors of logp and dh on 256 rows against a
+float64 reference of the set's log-probs.
+
+    python -m launch.bench.rollout --out rollout.jsonl     # one GPU, bf16
+    python -m launch.bench.rollout --smoke                 # CPU, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+
+import vparallel_ce
+from launch.bench.timing import peak_of, timed_in_rounds
+
+SHAPES = {"qwen3-8b": (8192, 4096, 151936, 1), "qwen3-8b-tp8": (8192, 4096, 18992, 8),
+          "smoke": (64, 32, 1000, 1), "smoke-tp4": (64, 32, 250, 4)}
+KS = (20, 64, 512)
+CHECK_ROWS = 256
+
+
+def make_support(t: torch.Tensor, v: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """``[N, k]`` distinct random ids per row, the target among them (at a random place)."""
+    n = t.numel()
+    k = min(k, v)
+    ids = torch.argsort(torch.rand(n, v, generator=gen), dim=-1)[:, :k] if v * n <= 2**27 else \
+        torch.stack([torch.randperm(v, generator=gen)[:k] for _ in range(n)])
+    has = (ids == t[:, None]).any(-1)
+    slot = torch.randint(0, k, (n,), generator=gen)
+    ids[~has, slot[~has]] = t[~has]
+    return ids
+
+
+def _loss(logp, adv):
+    return -(adv * logp).mean()
+
+
+def method_set(h, w, t, ids, adv):
+    return _loss(vparallel_ce.linear_token_logprobs(h, w, t, support=ids), adv)
+
+
+def method_full(h, w, t, ids, adv):
+    return _loss(vparallel_ce.linear_token_logprobs(h, w, t), adv)
+
+
+def _gathered_set(h, w, t, ids, adv):
+    x = (h @ w.T).float()
+    masked = torch.full_like(x, float("-inf")).scatter(1, ids, x.gather(1, ids))
+    logp = torch.log_softmax(masked, -1).gather(1, t[:, None]).squeeze(-1)
+    return _loss(logp, adv)
+
+
+_COMPILED = torch.compile(_gathered_set, dynamic=False)
+
+
+def method_compile(h, w, t, ids, adv):
+    return _COMPILED(h, w, t, ids, adv)
+
+
+def method_verl(h, w, t, ids, adv):
+    from launch.bench.rl import _verl_kernel
+    logp, _ = _verl_kernel()(h, w, t, 1.0, "none", None)
+    return _loss(logp, adv)
+
+
+def reference(h, w, t, ids, rows: int):
+    """float64 log-probs over the set, and d(sum logp)/dh, of the first ``rows`` tokens."""
+    h64 = h[:rows].detach().double().requires_grad_()
+    x = h64 @ w.detach().double().T
+    sub = ids[:rows]
+    masked = torch.full_like(x, float("-inf")).scatter(1, sub, x.gather(1, sub))
+    logp = torch.log_softmax(masked, -1).gather(1, t[:rows, None]).squeeze(-1)
+    (dh,) = torch.autograd.grad(logp.sum(), h64)
+    return logp.detach(), dh
+
+
+def errors(h, w, t, ids, rows: int) -> dict:
+    want_lp, want_dh = reference(h, w, t, ids, rows)
+    hh = h[:rows].detach().clone().requires_grad_()
+    lp = vparallel_ce.linear_token_logprobs(hh, w.detach(), t[:rows], support=ids[:rows])
+    (dh,) = torch.autograd.grad(lp.sum(), hh)
+    rel = lambda a, b: ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()  # noqa: E731
+    return {"logp_err": rel(lp, want_lp), "dh_err": rel(dh, want_dh)}
+
+
+def bench_shape(name, args, device, dtype, emit):
+    n, hsz, v, tp = SHAPES[name]
+    gen = torch.Generator().manual_seed(0)
+    h = (torch.randn(n, hsz, generator=gen) / 2).to(device, dtype).requires_grad_()
+    w = (torch.randn(v, hsz, generator=gen) / hsz**0.5 * 4).to(device, dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=gen)
+    adv = torch.randn(n, generator=gen).to(device)
+    steps, sets = {}, {}
+    for k in args.ks:
+        k_here = -(-k // tp)  # this rank's share of each row's ids
+        ids = make_support(t, v, k_here, gen).to(device)
+        sets[k] = ids
+        if "set" in args.methods:
+            steps[f"set:{k}"] = (method_set, ids)
+        if "compile" in args.methods:
+            steps[f"compile:{k}"] = (method_compile, ids)
+    t = t.to(device)
+    if "full" in args.methods:
+        steps["full"] = (method_full, None)
+    if "verl" in args.methods and device.type == "cuda":
+        steps["verl"] = (method_verl, None)
+    calls = {label: (lambda fn=fn, ids=ids: fn(h, w, t, ids, adv).backward()) for label, (fn, ids) in steps.items()}
+    times = timed_in_rounds(calls, (h, w), device, args.repeats, args.warmup)
+    for label, call in calls.items():
+        record = {"shape": name, "N": n, "H": hsz, "V": v, "tp_share_of": tp, "method": label, "dtype": str(dtype)}
+        ms = times.get(label)
+        if isinstance(ms, BaseException):
+            record["error"] = f"{type(ms).__name__}: {ms}"
+        else:
+            record["ms"] = ms
+            try:
+                record["peak_gib"] = peak_of(call, (h, w), device)[0]
+            except Exception as exc:  # noqa: BLE001 - a method's failure is a row of the report
+                record["error"] = f"{type(exc).__name__}: {exc}"
+        if label.startswith("set:"):
+            record.update(errors(h, w, t, sets[int(label.split(':')[1])], min(CHECK_ROWS, n)))
+        emit(record)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI), 2 repeats")
+    p.add_argument("--shapes", default=None, help="comma list of " + ", ".join(SHAPES))
+    p.add_argument("--methods", default="set,full,compile,verl")
+    p.add_argument("--ks", default=",".join(map(str, KS)))
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--verl-path", default=None, help="an unpacked verl wheel (launch.bench.rl)")
+    p.add_argument("--out", default=None, help="append one JSON line per (shape, method)")
+    args = p.parse_args(argv)
+    args.methods = set(args.methods.split(","))
+    args.ks = [int(k) for k in args.ks.split(",")]
+    if args.verl_path:
+        from launch.bench import rl
+        rl.VERL_PATH.append(args.verl_path)
+    if args.smoke:
+        device, dtype = torch.device("cpu"), torch.float32
+        shapes = args.shapes.split(",") if args.shapes else ["smoke", "smoke-tp4"]
+        args.repeats, args.warmup = 2, 1
+        args.ks = [4, 16] if args.ks == list(KS) else args.ks
+        args.methods.discard("compile")  # inductor's CPU compile costs minutes on a small CI machine
+    else:
+        device, dtype = torch.device("cuda"), torch.bfloat16
+        shapes = args.shapes.split(",") if args.shapes else ["qwen3-8b", "qwen3-8b-tp8"]
+    records = []
+
+    def emit(record):
+        records.append(record)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    for name in shapes:
+        bench_shape(name, args, device, dtype, emit)
+    print("| shape | method | ms | peak GiB | logp err | dh err |")
+    print("|---|---|---|---|---|---|")
+    for r in records:
+        cells = [r["shape"], r["method"], f"{r['ms']:.3f}" if "ms" in r else r.get("error", "?")[:60],
+                 f"{r.get('peak_gib', math.nan):.3f}", f"{r.get('logp_err', math.nan):.2e}",
+                 f"{r.get('dh_err', math.nan):.2e}"]
+        print("| " + " | ".join(cells) + " |")
+    failed = [r for r in records if "error" in r and not r["method"].startswith(("verl", "compile"))]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

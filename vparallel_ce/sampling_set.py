@@ -1,0 +1,428 @@
+r"""Log-probs over the rollout's sampling set: ``token_logprobs(..., support=ids)`` and the
+sampling masks (``top_k`` / ``top_p`` / ``min_p``), for logits or hidden states sharded along the vocab.
+
+Per token with set ``S`` (``z = logits / T``)::
+
+    logp = z_t - log sum_{j in S} e^{z_j},     H = -sum_{j in S} p_j log p_j,   p_j = e^{z_j} / sum_S e^{z}
+
+and ``d/dz_j`` as the full-vocabulary op's with ``p`` renormalised over ``S`` and 0 off it. This is
+the math of :mod:`vparallel_ce.stats` over the set's logits with every other entry ``-inf`` (a
+masked entry), so the per-chunk steps are the loss ops' own (:func:`~vparallel_ce.stats.local_stats`,
+:func:`~vparallel_ce.stats.combine`, :func:`~vparallel_ce.stats.grad_logits`) on a ``[c, K_loc]``
+matrix of the kept ids this rank owns instead of its ``[c, V_loc]`` logits.
+
+**The set.** ``support [N, K]`` int64 GLOBAL ids padded with ``-1`` (a row of ``-1``: the whole
+vocabulary), the same on every rank. Rule for the target: it must be one of its row's ids (a
+token sampled from the set is); with ``check=True`` a valid token whose target is not is an
+:class:`~vparallel_ce.InvalidInputError` naming the token, raised on every rank; with
+``check=False`` its ``logp`` is ``-inf`` (its probability under the set) with no gradient. Ids
+outside ``[-1, V)`` and an id repeated in a row are errors too (``check=True``). The masks build
+the set from the logits instead (:mod:`vparallel_ce.sampling_masks`); a call takes one or the other.
+
+**What crosses ranks.** Each rank gathers the logits of the ids in its shard (``-inf`` elsewhere);
+per token chunk the statistics ride on the full op's two all-reduces (MAX, SUM). The ranks agree
+on the set's ids in the call's one exchange (a position-sensitive checksum); the values are
+checked after it, on every rank alike. The masks add their own exchanges (their module).
+
+**The linear op** needs only the kept ids' logits. Per chunk, with ``K_loc`` the most kept ids
+any row has in this shard: if ``GATHER_RATIO * K_loc <= V_loc`` it gathers those rows of the
+weight (``[c, K_loc, H]``, ``O(c K_loc H)`` reads and FLOPs), else one GEMM over the shard
+(``O(c V_loc H)``) and a gather of its columns. Rows with the whole vocabulary (``-1`` rows, or
+the masks) take the GEMM. The rule reads two integers per chunk on the host.
+
+Not here: ``batch_invariant=True`` (its fixed tiles and sums are for the full-vocabulary path;
+refused) and ``torch.compile`` (refused; call the op outside the compiled region).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import comm
+from .call import Call
+from .chunk_walk import Rows
+from .gemm import logits as lm_logits, matmul_inputs, mm_as
+from .sampling_masks import SamplingMasks, thresholds
+from .stats import ChunkStats, GradCoefs, combine, compute_dtype, grad_logits, local_stats, logprob_grad_coefs, \
+    scaled_logits
+from .validate import Problem, raise_values_problem
+
+__all__ = ["SetRows", "check_support", "check_support_values", "set_chunks", "set_logprobs", "linear_set_logprobs",
+           "GATHER_RATIO"]
+
+# Gather the kept ids' weight rows when they are at most 1/GATHER_RATIO of the shard: a gathered
+# row is read (and written, and read again) at memory speed, ~3 x 2 bytes per element, where the
+# shard's GEMM does 2 FLOPs per element at ~200 FLOP per byte of HBM on an H100/H200.
+GATHER_RATIO = 256
+
+# the per-chunk working set (fp32 logits or gathered rows of the chunk): chunks are made so that
+# one holds about this many bytes
+CHUNK_BYTES = 256 * 2**20
+
+
+def check_support(support, target: torch.Tensor, masks: SamplingMasks, batch_invariant: bool) -> Problem | None:
+    """The set's local checks (type, shape, device; what it combines with): a Problem or None."""
+    if support is None:
+        if masks.top_k is not None or masks.top_p is not None or masks.min_p is not None:
+            if batch_invariant:
+                return Problem(NotImplementedError, "batch_invariant=True with top_k/top_p/min_p is not supported")
+        return None
+    if masks.top_k is not None or masks.top_p is not None or masks.min_p is not None:
+        return Problem(ValueError, "pass either support= (the engine's kept ids) or top_k/top_p/min_p (rebuilt "
+                                   "from the logits), not both")
+    if batch_invariant:
+        return Problem(NotImplementedError, "batch_invariant=True with support= is not supported")
+    if not isinstance(support, torch.Tensor):
+        return Problem(TypeError, f"support must be a tensor, got {type(support).__name__}")
+    if support.dtype != torch.int64:
+        return Problem(TypeError, f"support must hold int64 global vocab ids (-1 padding), got dtype {support.dtype}")
+    if tuple(support.shape[:-1]) != tuple(target.shape) or support.dim() != target.dim() + 1:
+        return Problem(ValueError, f"support shape {tuple(support.shape)} must be target's shape "
+                                   f"{tuple(target.shape)} plus one dim of K ids")
+    if support.device != target.device:
+        return Problem(ValueError, f"support is on {support.device} but target is on {target.device}")
+    if support.requires_grad:
+        return Problem(ValueError, "support holds ids; it takes no gradient")
+    return None
+
+
+def check_support_values(support: torch.Tensor, target: torch.Tensor, call: Call) -> None:
+    """The set's values on the tokens that count (``target`` not ignored): ids in ``[-1, V)``, no id
+    twice in a row, the target among its row's ids (unless the row is all ``-1``). One host read;
+    called once the ranks agree on the set (the exchange compared its checksums), so every rank
+    raises the same error -- with sequence parallelism (each rank its own rows) after one more
+    exchange of the ranks' verdicts."""
+    problem = _support_problem(support, target, call.spec.ignore_index, call.layout.vocab_size)
+    raise_values_problem(problem, call.layout.group if call.sequence_parallel else None, support.device)
+
+
+def _support_problem(ids: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_size: int) -> str | None:
+    if ids.numel() == 0:
+        return None
+    valid = target != ignore_index
+    keep = valid.unsqueeze(-1)
+    out = ~((ids >= -1) & (ids < vocab_size)) & keep
+    ordered = ids.sort(dim=-1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0) & keep
+    full = (ids < 0).all(-1)
+    missing = valid & ~full & ~(ids == target.unsqueeze(-1)).any(-1)
+    flags = torch.stack([out.any(), repeated.any(), missing.any()]).tolist()
+    if flags[0]:
+        row = out.any(-1).nonzero()[0, 0].item()
+        return (f"support holds an id outside [0, {vocab_size}) (or -1 padding) on token {row}: "
+                f"{ids[row][out[row]][0].item()}")
+    if flags[1]:
+        row = repeated.any(-1).nonzero()[0, 0].item()
+        return f"support repeats an id within token {row}'s row: {ids[row].tolist()[:16]}: a set's ids must be distinct"
+    if flags[2]:
+        row = missing.nonzero()[0, 0].item()
+        return (f"token {row}'s target {target[row].item()} is not in its support row {ids[row].tolist()[:16]}: a "
+                "token sampled from the set is one of its ids (pass check=False to get logp = -inf for it)")
+    return None
+
+
+def set_chunks(call: Call, k: int, hidden_size: int, chunks) -> int:
+    """Token chunks of a set call, the same on every rank (from the group's token count, the set
+    width, the largest shard and the hidden size): ``chunks`` if an int, else enough that one
+    chunk's working set is about :data:`CHUNK_BYTES`."""
+    if chunks != "auto":
+        return int(chunks)
+    n = sum(call.counts)
+    width = -(-call.layout.vocab_size // call.layout.world)
+    per_row = max(12 * width, 6 * k * max(hidden_size, 1), 1)
+    return max(1, min(n, -(-n * per_row // CHUNK_BYTES)))
+
+
+@dataclass
+class SetRows:
+    """One chunk's rows of the set, mapped to this shard. ``cols [c, K_loc]``: the local column of
+    each kept id this shard owns (first in each row; 0 where none); ``kept``: which are;
+    ``tpos``/``t_owned``: the target's position among them and whether this shard owns it;
+    ``in_set``: a valid token whose target is in its set (any rank's part); ``full``: the rows (of
+    the chunk) over the whole vocab, valid, with ``full_t``/``full_owned`` their targets here."""
+
+    cols: torch.Tensor
+    kept: torch.Tensor
+    tpos: torch.Tensor
+    t_owned: torch.Tensor
+    valid: torch.Tensor
+    in_set: torch.Tensor
+    full: torch.Tensor
+    full_t: torch.Tensor
+    full_owned: torch.Tensor
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, target: torch.Tensor, call: Call) -> "SetRows":
+        lay = call.layout
+        valid = target != call.spec.ignore_index
+        full_row = (ids < 0).all(-1) & valid
+        local = ids - lay.offset
+        owned = (ids >= 0) & (local >= 0) & (local < lay.local_size) & (valid & ~full_row).unsqueeze(-1)
+        is_t = (ids == target.unsqueeze(-1)) & (ids >= 0)
+        in_set = valid & (full_row | is_t.any(-1))
+        k_loc, n_full = (int(v) for v in torch.stack([owned.sum(-1).amax() if ids.numel() else
+                                                      owned.new_zeros((), dtype=torch.int64),
+                                                      full_row.sum()]).tolist())
+        order = owned.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[:, :k_loc]
+        kept = owned.gather(1, order)
+        cols = torch.where(kept, local.gather(1, order), 0)
+        t_here = is_t.gather(1, order) & kept
+        full = full_row.nonzero()[:, 0] if n_full else full_row.new_zeros((0,), dtype=torch.int64)
+        t_full = target[full] - lay.offset
+        full_owned = (t_full >= 0) & (t_full < lay.local_size)
+        return cls(cols, kept, t_here.to(torch.uint8).argmax(-1) if k_loc else torch.zeros_like(target),
+                   t_here.any(-1), valid, in_set, full, t_full.clamp(0, max(lay.local_size - 1, 0)), full_owned)
+
+
+class _Chunk:
+    """A chunk's set logits ``[c, K_loc]`` (``-inf`` off the kept ids) and whole-vocab rows'
+    logits ``[f, V_loc]`` (``-inf`` below their mask's threshold), in the logits' dtype."""
+
+    def __init__(self, rows: SetRows, set_x: torch.Tensor, full_x: torch.Tensor | None):
+        self.rows = rows
+        self.set_x = set_x.masked_fill(~rows.kept, float("-inf"))
+        self.full_x = full_x
+
+    def masked(self, call: Call, masks: SamplingMasks, tau: torch.Tensor | None):
+        """Apply the masks' thresholds to the whole-vocab rows (made here in forward: ``tau``
+        None), returning them."""
+        if self.full_x is None or self.full_x.shape[0] == 0:
+            return tau
+        z = scaled_logits(self.full_x, call.spec)
+        if tau is None:
+            tau = thresholds(z, masks, call.layout)
+        self.full_x = self.full_x.masked_fill(z < tau.unsqueeze(-1), float("-inf"))
+        return tau
+
+    def stats(self, call: Call) -> ChunkStats:
+        r = self.rows
+        st = local_stats(self.set_x, r.tpos, r.t_owned, call.spec)
+        if self.full_x is not None and r.full.numel():
+            st_f = local_stats(self.full_x, r.full_t, r.full_owned, call.spec)
+            st = ChunkStats(*(None if a is None else a.index_copy(0, r.full, b) for a, b in zip(st, st_f)))
+        return st
+
+    def grads(self, call: Call, m: torch.Tensor, coefs: GradCoefs):
+        """``(d set_x [c, K_loc], d full_x [f, V_loc] or None)`` in the compute dtype."""
+        r, cdt = self.rows, m.dtype
+        d_set = grad_logits(self.set_x, r.tpos, r.t_owned, m, coefs, call.spec, cdt)
+        d_full = None
+        if self.full_x is not None and r.full.numel():
+            sub = GradCoefs(*(None if k is None else k[r.full] for k in coefs))
+            d_full = grad_logits(self.full_x, r.full_t, r.full_owned, m[r.full], sub, call.spec, cdt)
+        return d_set, d_full
+
+
+def _outputs(st, rows: SetRows):
+    zero = torch.zeros_like(st.lse)
+    logp = torch.where(rows.in_set, (st.target - st.max) - st.log_s, zero)
+    logp = torch.where(rows.valid & ~rows.in_set, float("-inf"), logp)
+    entropy = torch.where(rows.valid, st.entropy, zero) if st.entropy is not None else zero
+    return logp, entropy
+
+
+def _coefs(g_logp, g_entropy, rows: SetRows, entropy, log_s, call: Call) -> GradCoefs:
+    """As the full-vocabulary op's; a target outside its set (check=False) takes no log-prob gradient."""
+    g_lp = torch.zeros_like(log_s) if g_logp is None else torch.where(rows.in_set, g_logp.to(log_s.dtype), 0.0)
+    g_h = None
+    if g_entropy is not None and call.spec.entropy:
+        g_h = torch.where(rows.valid, g_entropy.to(log_s.dtype), 0.0)
+    return logprob_grad_coefs(g_lp, g_h, entropy, log_s, rows.valid)
+
+
+def _masks(call_options) -> SamplingMasks:
+    return SamplingMasks(call_options.top_k, call_options.top_p, call_options.min_p)
+
+
+def _support_rows(support: torch.Tensor | None, n: int, device) -> torch.Tensor:
+    return torch.full((n, 0), -1, dtype=torch.int64, device=device) if support is None else support.reshape(n, support.shape[-1])
+
+
+class SetLogprobs(torch.autograd.Function):
+    """Log-probs over the set from logits ``x [N, V_loc]``: per chunk the set's statistics (forward);
+    the gradient scattered into the shard's columns (backward, local)."""
+
+    @staticmethod
+    def forward(ctx, x, target, support, call: Call, masks: SamplingMasks, chunks: int):
+        rows = Rows(call, chunks)
+        outs, saved = [], []
+        for c in range(len(rows)):
+            sl = rows.local[c]
+            sr = SetRows.of(support[sl], target[sl], call)
+            x_c = x[sl]
+            ch = _Chunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None)
+            tau = ch.masked(call, masks, None)
+            st = combine(ch.stats(call), call.layout)
+            sr.in_set = sr.in_set & (st.target != float("-inf"))  # a target the masks drop: p = 0
+            logp, ent = _outputs(st, sr)
+            outs.append((logp, ent))
+            saved.append((sr, tau, st.max, st.log_s, ent))
+        ctx.save_for_backward(x)
+        ctx.call, ctx.masks, ctx.rows, ctx.saved = call, masks, rows, saved
+        ctx.set_materialize_grads(False)
+        logp, ent = (torch.cat(p) for p in zip(*outs))
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        (x,) = ctx.saved_tensors
+        call = ctx.call
+        if g_logp is None and g_entropy is None:
+            return None, None, None, None, None, None
+        dx = torch.zeros_like(x)
+        for c, (sr, tau, m, log_s, ent) in enumerate(ctx.saved):
+            sl = ctx.rows.local[c]
+            x_c = x[sl]
+            ch = _Chunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None)
+            ch.masked(call, ctx.masks, tau)
+            coefs = _coefs(None if g_logp is None else g_logp[sl], None if g_entropy is None else g_entropy[sl],
+                           sr, ent, log_s, call)
+            d_set, d_full = ch.grads(call, m, coefs)
+            d = torch.zeros(x_c.shape, dtype=d_set.dtype, device=x.device)
+            d.scatter_add_(1, sr.cols, d_set)  # kept columns are distinct in a row; the rest add 0
+            if d_full is not None:
+                d[sr.full] = d_full
+            dx[sl] = d.to(x.dtype)
+        return dx, None, None, None, None, None
+
+
+class LinearSetLogprobs(torch.autograd.Function):
+    """Log-probs over the set from hidden states and this rank's lm_head shard: per chunk only the
+    kept ids' logits (gathered weight rows) or one GEMM over the shard (module docstring's rule)."""
+
+    @staticmethod
+    def forward(ctx, h, w, b, target, support, call: Call, masks: SamplingMasks, chunks: int):
+        hm, wm, bm = matmul_inputs(call, h, w, b)
+        rows = Rows(call, chunks)
+        outs, saved = [], []
+        for c in range(len(rows)):
+            h_c = rows.gather(c, hm)
+            t_c = rows.gather(c, target, fill=call.spec.ignore_index)
+            s_c = rows.gather(c, support, fill=-1)
+            sr = SetRows.of(s_c, t_c, call)
+            ch, gathered = _linear_chunk(call, sr, h_c, wm, bm)
+            tau = ch.masked(call, masks, None)
+            st = combine(ch.stats(call), call.layout)
+            sr.in_set = sr.in_set & (st.target != float("-inf"))  # a target the masks drop: p = 0
+            logp, ent = _outputs(st, sr)
+            outs.append((rows.own(c, logp), rows.own(c, ent)))
+            saved.append((sr, tau, st.max, st.log_s, ent))
+        ctx.save_for_backward(h, w, b, target, support)
+        ctx.call, ctx.masks, ctx.rows, ctx.saved = call, masks, rows, saved
+        ctx.set_materialize_grads(False)
+        logp, ent = (torch.cat(p) for p in zip(*outs))
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_entropy):
+        h, w, b, target, support = ctx.saved_tensors
+        call, rows = ctx.call, ctx.rows
+        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], b is not None and ctx.needs_input_grad[2])
+        none = (None,) * 8
+        if not any(need):
+            return none
+        if call.layout.sharded:  # collectives follow (dh over the group, rows with SP): every rank runs them
+            g_logp = torch.zeros(target.numel(), dtype=ctx.saved[0][2].dtype, device=h.device) \
+                if g_logp is None else g_logp
+        elif g_logp is None and g_entropy is None:
+            return none
+        hm, wm, bm = matmul_inputs(call, h, w, b)
+        acc = compute_dtype(wm.dtype)
+        dh = torch.zeros(h.shape, dtype=acc, device=h.device) if need[0] else None
+        dw = torch.zeros(w.shape, dtype=acc, device=w.device) if need[1] else None
+        db = torch.zeros(w.shape[0], dtype=acc, device=w.device) if need[2] else None
+        for c, (sr, tau, m, log_s, ent) in enumerate(ctx.saved):
+            h_c = rows.gather(c, hm)
+            ch, gathered = _linear_chunk(call, sr, h_c, wm, bm)
+            ch.masked(call, ctx.masks, tau)
+            g_lp = None if g_logp is None else rows.gather(c, g_logp.reshape(-1))
+            g_h = None if g_entropy is None else rows.gather(c, g_entropy.reshape(-1))
+            coefs = _coefs(g_lp, g_h, sr, ent, log_s, call)
+            d_set, d_full = ch.grads(call, m, coefs)
+            dh_c = _linear_grads(sr, d_set, d_full, h_c, wm, gathered, dw, db, want_dh=dh is not None)
+            if dh is not None and call.sequence_parallel:
+                dh[rows.local[c]] = rows.scatter_grad(c, dh_c)
+            elif dh is not None:
+                dh[rows.local[c]] += dh_c
+        if dh is not None and not call.sequence_parallel:
+            comm.all_reduce_sum_(dh, call.layout.group)
+        out = tuple(None if g is None else g.to(t.dtype) for g, t in ((dh, h), (dw, w), (db, b)))
+        return out + (None,) * 5
+
+
+def _linear_chunk(call: Call, sr: SetRows, h_c, w, b):
+    """The chunk's :class:`_Chunk` and, in the gather mode, the gathered weight rows ``[c, K_loc, H]``
+    (None in the GEMM mode)."""
+    k_loc, width = sr.cols.shape[1], w.shape[0]
+    full_x = None
+    if GATHER_RATIO * k_loc <= width:
+        wg = w[sr.cols]  # [c, K_loc, H]
+        set_x = _gathered_logits(call, h_c, wg, None if b is None else b[sr.cols])
+        if sr.full.numel():
+            full_x = lm_logits(call, h_c[sr.full], w, b)
+        return _Chunk(sr, set_x, full_x), wg
+    x_c = lm_logits(call, h_c, w, b)
+    return _Chunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None), None
+
+
+def _gathered_logits(call: Call, h_c, wg, bg):
+    """``h_i . w_{id}`` for each row's gathered weight rows, in the logits' dtype (``Call.logits_dtype``
+    or the matmul dtype), the bias added in it."""
+    wide = call.logits_dtype
+    if wide is not None:
+        x = torch.bmm(wg.to(wide), h_c.to(wide).unsqueeze(-1)).squeeze(-1)
+    else:
+        x = torch.bmm(wg, h_c.unsqueeze(-1)).squeeze(-1)
+    return x if bg is None else x + bg.to(x.dtype)
+
+
+def _linear_grads(sr: SetRows, d_set, d_full, h_c, w, gathered, dw, db, *, want_dh: bool):
+    """Add the chunk's ``dW``/``db`` (fp32 sums) and return its partial ``dh`` rows (fp32): the set's
+    columns through the gathered rows or the shard's GEMM, the whole-vocab rows through the GEMM."""
+    acc = d_set.dtype
+    dh_c = torch.zeros(h_c.shape, dtype=acc, device=h_c.device) if want_dh else None
+    if gathered is not None:
+        if want_dh:
+            dh_c += torch.bmm(d_set.unsqueeze(1).to(gathered.dtype), gathered).squeeze(1).to(acc)
+        flat = sr.cols.reshape(-1)
+        if dw is not None:
+            dw.index_add_(0, flat, (d_set.unsqueeze(-1) * h_c.to(acc).unsqueeze(1)).reshape(flat.numel(), h_c.shape[-1]))
+        if db is not None:
+            db.index_add_(0, flat, d_set.reshape(-1))
+        d_rows, rows_h = d_full, (h_c[sr.full] if d_full is not None else None)
+        idx = sr.full
+    else:
+        d = torch.zeros((h_c.shape[0], w.shape[0]), dtype=acc, device=h_c.device)
+        d.scatter_add_(1, sr.cols, d_set)
+        if d_full is not None:
+            d[sr.full] = d_full
+        d_rows, rows_h, idx = d, h_c, None
+    if d_rows is not None:
+        if db is not None:
+            db += d_rows.sum(0)
+        dm = d_rows.to(w.dtype)  # the gradient GEMMs' operand, rounded once (as the full op's)
+        if want_dh:
+            part = mm_as(dm, w, acc)
+            if idx is None:
+                dh_c += part
+            else:
+                dh_c.index_add_(0, idx, part)
+        if dw is not None:
+            dw += mm_as(dm.t(), rows_h, acc)
+    return dh_c
+
+
+def set_logprobs(x, target, support, call: Call, options, chunks: int):
+    """``(logp, entropy)`` of the flat ``x [N, V_loc]``, ``target [N]``, ``support [N, K]`` (None
+    with masks)."""
+    return SetLogprobs.apply(x, target, _support_rows(support, target.numel(), x.device), call, _masks(options),
+                             chunks)
+
+
+def linear_set_logprobs(h, w, b, target, support, call: Call, options, chunks: int):
+    """``(logp, entropy)`` of the flat hidden ``[N, H]`` (this rank's tokens with sequence
+    parallelism), weight shard ``[V_loc, H]``, bias, ``target [N]``, ``support [N, K]`` (None with masks)."""
+    return LinearSetLogprobs.apply(h, w, b, target, _support_rows(support, target.numel(), h.device), call,
+                                   _masks(options), chunks)
