@@ -8,7 +8,9 @@ token (:func:`join`): the largest value wins, and among ranks holding it the fir
 whose ids are the lowest (the ``torch.chunk`` layout ascends with the rank). That is
 ``argmax(x)`` of the gathered logits row, as ``torch.argmax`` picks it.
 
-A row holding a nan has no argmax that equals a target: its id is -1.
+This is :mod:`vparallel_ce.vocab_topk`'s tie rule at ``k = 1``, made block by block as the chunk
+walk sees the logits (one ``torch.max`` per block, merged; no sort), except for nan: a row holding
+a nan has no argmax that equals a target (its id is -1), where the top-``k`` selects the nan.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ import traceback
 import torch
 
 import vparallel_ce
-from launch.bench.harness import error_text, parse_run, run_shapes
+from launch.bench.harness import build_methods, error_text, parse_run, run_shapes
 from launch.bench.timing import clear_grads, peak_of, timed_in_rounds
 
 # Llama3-8B student (H=4096) with a Llama3-70B-width teacher (H=8192); full vocab and its TP=8 shard
@@ -172,18 +172,10 @@ def bench_shape(tag, shape, args, device, emit):
     tgt = torch.randint(0, v, (n,), generator=g)
     tgt[torch.rand(n, generator=g) < 0.1] = -100  # prompt / padding tokens
     tgt = tgt.to(device)
-    refs, records, fns = {}, {}, {}
-    for name in args.methods:
-        records[name] = dict(shape=tag, N=n, H_student=h_s, H_teacher=h_t, V=v, method=name,
-                             temperature=args.temperature)
-        try:
-            fn = make_method(name, device, args.temperature)
-            if fn is None:
-                records[name].update(error="not available here")
-            else:
-                fns[name] = fn
-        except Exception as e:  # noqa: BLE001 -- recorded, the other methods go on
-            records[name].update(error=error_text(e))
+    records, fns = build_methods(args.methods, lambda name: make_method(name, device, args.temperature),
+                                 lambda name: dict(shape=tag, N=n, H_student=h_s, H_teacher=h_t, V=v, method=name,
+                                                   temperature=args.temperature))
+    refs = {}
 
     def once(fn):
         loss = fn(hs, ws, ht, wt, tgt)

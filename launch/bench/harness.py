@@ -74,6 +74,24 @@ class JsonLines:
             self.fh.close()
 
 
+def build_methods(names, make, record) -> tuple[dict, dict]:
+    """``(records, fns)`` for the method ``names``: ``record(name)`` starts each one's record,
+    ``make(name)`` builds its call (None: not available here). A method that cannot be built
+    gets an ``error`` in its record; the others go on."""
+    records, fns = {}, {}
+    for name in names:
+        records[name] = record(name)
+        try:
+            fn = make(name)
+            if fn is None:
+                records[name].update(error="not available here")
+            else:
+                fns[name] = fn
+        except Exception as e:  # noqa: BLE001 -- recorded, the other methods go on
+            records[name].update(error=error_text(e))
+    return records, fns
+
+
 def run_shapes(title: str, shapes: dict, bench, out: str | None, env: dict) -> int:
     """``bench(tag, shape, emit)`` for every shape, its records written as they come
     (:class:`JsonLines` to ``out``), then their table under ``title``. Returns the exit status: 1 if

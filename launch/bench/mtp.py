@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import vparallel_ce
-from launch.bench.harness import error_text, parse_run, run_shapes
+from launch.bench.harness import build_methods, error_text, parse_run, run_shapes
 from launch.bench.timing import clear_grads, peak_of, timed_in_rounds
 from vparallel_ce.labels import mtp_labels
 
@@ -128,17 +128,9 @@ def bench_shape(tag, shape, args, device, emit):
     depths = sorted({int(m.split(":")[1]) for m in args.methods})
     hiddens = {d: [torch.randn(1, n, h, generator=g).to(device, dt).requires_grad_() for _ in range(d + 1)]
                for d in depths}
-    records, fns, refs = {}, {}, {}
-    for name in args.methods:
-        records[name] = dict(shape=tag, N=n, H=h, V=v, method=name, depths=int(name.split(":")[1]))
-        try:
-            fn = make_method(name, device)
-            if fn is None:
-                records[name].update(error="not available here")
-            else:
-                fns[name] = fn
-        except Exception as e:  # noqa: BLE001 -- recorded, the other methods go on
-            records[name].update(error=error_text(e))
+    records, fns = build_methods(args.methods, lambda name: make_method(name, device), lambda name: dict(
+        shape=tag, N=n, H=h, V=v, method=name, depths=int(name.split(":")[1])))
+    refs = {}
 
     def once(name):
         hs = hiddens[records[name]["depths"]]
