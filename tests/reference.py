@@ -95,3 +95,24 @@ def local_grad(leaf) -> torch.Tensor:
     if tuple(g.placements) != tuple(leaf.placements):
         g = g.redistribute(leaf.device_mesh, leaf.placements)
     return g.to_local()
+
+
+def largest_tensor(fn) -> int:
+    """The most elements of any tensor an op made while ``fn()`` ran (a dispatch-mode watch): what
+    the memory tests bound by a chunk of logits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    largest = 0
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            nonlocal largest
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    largest = max(largest, t.numel())
+            return out
+
+    with Watch():
+        fn()
+    return largest

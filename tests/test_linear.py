@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import vparallel_ce
 from tests.dist import run_ranks
-from tests.reference import TOL, local_grad, reference_loss, rel_err, shard
+from tests.reference import TOL, largest_tensor, local_grad, reference_loss, rel_err, shard
 
 H = 8
 OPTIONS = [{}, {"label_smoothing": 0.1, "z_loss": 1e-3}, {"softcap": 2.0, "ignore_index": 3}]
@@ -179,29 +179,14 @@ def test_bf16_weight_grad_error_does_not_grow_with_chunks():
 
 
 def test_no_tensor_as_large_as_the_local_logits_when_chunked():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     n, v = 64, 40
     hidden, weight, bias, target = make_case(5, tokens=(n,), vocab=v)
-
-    class Watch(TorchDispatchMode):
-        largest = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    Watch.largest = max(Watch.largest, t.numel())
-            return out
-
     for schedule, recompute in (("token", False), ("token", True), ("vocab", None)):
         h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
-        Watch.largest = 0
-        with Watch():
-            out = vparallel_ce.linear_cross_entropy(h, w, target, chunks=4, schedule=schedule, recompute=recompute)
-            out.backward()
-        assert Watch.largest < n * v, (schedule, Watch.largest)
-        assert Watch.largest >= n * v // 4  # one chunk of logits did exist: the watch works
+        largest = largest_tensor(lambda: vparallel_ce.linear_cross_entropy(
+            h, w, target, chunks=4, schedule=schedule, recompute=recompute).backward())
+        assert largest < n * v, (schedule, largest)
+        assert largest >= n * v // 4  # one chunk of logits did exist: the watch works
 
 
 def test_bad_input_is_named():

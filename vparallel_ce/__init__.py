@@ -15,6 +15,10 @@ Public API:
 * :func:`linear_distillation_loss` -- the same from both models' hidden states and lm_head shards,
   no logits beyond one token chunk;
   the teacher may be sparse, its top-k ids and log-probs (:class:`TopKTeacher`, :class:`TailMode`);
+* :func:`linear_mtp_loss` -- multi-token prediction (a main head and D MTP depths through one
+  lm_head shard) in one fused walk, with each head's loss and top-1 acceptance (:class:`MTPOutput`);
+  :mod:`vparallel_ce.labels` -- the heads' labels over packed documents and context-parallel
+  shards, and their valid-token counts;
 * :func:`count_valid_tokens` -- the valid tokens of a step over its data-parallel ranks, the
   ``num_valid_tokens`` of the ops for exact gradient accumulation;
 * :func:`build_loss_fn` and the ``nn.Module`` wrappers -- string-configurable losses;
@@ -27,6 +31,7 @@ from .cross_entropy import cross_entropy
 from .distillation import distillation_loss
 from .linear import linear_cross_entropy
 from .linear_distillation import linear_distillation_loss
+from .mtp import MTPOutput, linear_mtp_loss
 from .logprobs import linear_token_logprobs, token_logprobs
 from .pipeline import count_valid_tokens
 from .policy import ChunkPolicy, choose_chunks
@@ -35,7 +40,7 @@ from .second_order import SecondDerivativeError
 from .topk import TailMode, TopKTeacher
 from .topk_logprobs import TopKLogprobs, linear_topk_logprobs, topk_logprobs
 from .validate import InvalidInputError
-from . import megatron, pipeline, policy  # noqa: E402  (submodules of the public API)
+from . import labels, megatron, pipeline, policy  # noqa: E402  (submodules of the public API)
 
 __all__ = [
     "cross_entropy",
@@ -44,6 +49,8 @@ __all__ = [
     "TopKTeacher",
     "TailMode",
     "linear_cross_entropy",
+    "linear_mtp_loss",
+    "MTPOutput",
     "token_logprobs",
     "linear_token_logprobs",
     "topk_logprobs",

@@ -40,7 +40,7 @@ _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.in
 
 
 OPS = ("cross_entropy", "linear_cross_entropy", "token_logprobs", "linear_token_logprobs", "distillation_loss",
-       "linear_distillation_loss", "topk_logprobs", "linear_topk_logprobs")
+       "linear_distillation_loss", "topk_logprobs", "linear_topk_logprobs", "linear_mtp_loss")
 
 
 _INPUT_NAMES = ("grad mode", "input", "weight", "bias")
@@ -161,6 +161,11 @@ class Facts:
     chunk_policy: int = _shown(lambda c: f"a ChunkPolicy with CRC {c}")
     # the order of every sum (tiles, rank-ordered SUM): ranks that differ would run other collectives
     batch_invariant: int = _shown(lambda c: str(bool(c)))
+    # a multi-token-prediction loss: its heads (rows of its target), the depths' weight, and the
+    # heads' divisors as given (a position-weighted sum on the device: no host read)
+    mtp_heads: int = _shown(str)
+    mtp_scale: int = _shown(_show_float)
+    mtp_num_valid_tokens: object = _shown(lambda c: "None" if c == _NO_COUNT else f"per-head counts with checksum {c}")
     token_count: int = _shown(str, per_rank=True)
     # position-sensitive (target_checksum): a permutation of the ids, or ids shifted by one, is a
     # different checksum
@@ -198,7 +203,8 @@ class Facts:
             _NO_FACT if support is None else _ids_checksum(support.reshape(-1).to(torch.int64)),
             -1 if o.top_k is None else int(o.top_k), _optional_float_code(o.top_p), _optional_float_code(o.min_p),
             _dtype_code(matmul_dtype), _dtype_code(o.logits_dtype),
-            _policy_code(o.policy), int(o.batch_invariant), target.numel(), target_checksum, hidden_checksum)
+            _policy_code(o.policy), int(o.batch_invariant), int(o.mtp_heads), _float_code(o.mtp_scale),
+            _counts_code(o.mtp_counts, target.device), target.numel(), target_checksum, hidden_checksum)
 
     def row(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
@@ -230,6 +236,16 @@ def _count_code(count, device):
     if isinstance(count, torch.Tensor):
         return count.reshape(()).to(device, torch.int64)
     return int(count)
+
+
+def _counts_code(counts, device):
+    """Per-head counts as one fact: ``sum_d counts_d * 1000003^d`` in int64 on the exchange's device
+    (wrapping; position-sensitive, no host read)."""
+    if counts is None:
+        return _NO_COUNT
+    c = counts.to(device, torch.int64)
+    return (c * torch.tensor(1000003, dtype=torch.int64, device=device).pow(
+        torch.arange(c.numel(), device=device))).sum()
 
 
 _FACT_FIELDS = dataclasses.fields(Facts)

@@ -270,13 +270,15 @@ class Schedule:
         epilogue, the logits never written."""
         return ops.fused is not None and ops.fused.covers(h_c, w, call.spec)
 
-    def statistics(self, call: Call, ops, h_c, w, b, targets: "ChunkTargets"):
+    def statistics(self, call: Call, ops, h_c, w, b, targets: "ChunkTargets", *, on_block=None):
         """Global statistics of chunk ``c``'s rows ``h_c``: local statistics block by block, merged,
         one exchange. Returns them and the kept blocks' logits (empty unless ``keep_logits``).
         Fused, the whole shard is one GEMM whose epilogue makes the statistics (no logits, so no
         blocks: its memory is per-(256-column tile, row) partials). Unfused, the first block's GEMM
-        is queued before the targets' small kernels, whose launches then overlap it."""
-        if not self.keep_logits and self.fused(ops, call, h_c, w):
+        is queued before the targets' small kernels, whose launches then overlap it.
+        ``on_block(blk, x)``: also shown each block's logits ``x`` (read only), in block order;
+        the statistics are then never fused (their logits must exist)."""
+        if not self.keep_logits and on_block is None and self.fused(ops, call, h_c, w):
             local_t, owned, _ = targets()
             return combine(ops.fused.stats(h_c, w, b, local_t, owned, call.spec), call.layout,
                            rank_ordered=call.batch_invariant), []
@@ -287,6 +289,8 @@ class Schedule:
             idx, in_blk = _in_block(local_t, owned, blk, call.layout.local_size)
             st = ops.local_stats(x, idx, in_blk, call.spec)
             acc = st if acc is None else merge(acc, st)
+            if on_block is not None:
+                on_block(blk, x)
             if self.keep_logits:
                 kept.append(x)
             del x  # else the next block's logits are allocated while this one's are still alive

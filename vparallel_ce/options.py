@@ -48,6 +48,9 @@ class Options:
             whatever the other tokens of the call (:mod:`vparallel_ce.invariant`).
         top_k, top_p, min_p: the log-prob ops' sampling masks, the kept set rebuilt from the logits
             at ``temperature`` (:mod:`vparallel_ce.sampling_masks`); None: no such mask.
+        mtp_heads, mtp_scale, mtp_counts: a multi-token-prediction loss (:func:`vparallel_ce.linear_mtp_loss`):
+            its number of heads (0: not an MTP call), the weight of the mean over its depths, and the
+            divisor of each head's mean as given (``[heads]`` integers, or None: each head's own count).
     """
 
     reduction: str = "mean"
@@ -71,6 +74,9 @@ class Options:
     check: bool = True
     check_replicated: bool = True
     batch_invariant: bool = False
+    mtp_heads: int = 0
+    mtp_scale: float = 0.0
+    mtp_counts: torch.Tensor | None = None
     top_k: int | None = None
     top_p: float | None = None
     min_p: float | None = None

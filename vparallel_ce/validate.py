@@ -85,6 +85,11 @@ _OPTION_CHECKS = {
     "min_p": (lambda v: v is None or (not isinstance(v, bool) and 0.0 <= float(v) <= 1.0), "in [0, 1] or None"),
     "num_valid_tokens": (lambda v: v is None or _is_int(v, 0, 2**62) or _integer_scalar(v),
                          "an int >= 0, a one-element integer tensor or None"),
+    "mtp_heads": (lambda v: v == 0 or _is_int(v, 2, 2**16), "an int in [2, 65536] (the main head and 1+ depths)"),
+    "mtp_scale": (lambda v: not isinstance(v, bool) and 0 <= float(v) < float("inf"), "a finite number >= 0"),
+    "mtp_counts": (lambda v: v is None or (isinstance(v, torch.Tensor) and v.dim() == 1 and not v.is_floating_point()
+                                           and not v.is_complex() and v.dtype != torch.bool),
+                   "None or a 1-D integer tensor (one count per head)"),
 }
 
 

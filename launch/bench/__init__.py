@@ -14,16 +14,19 @@ library itself does: ``pip install -e .``):
 ``launch.bench.rl``       RL log-probs + entropy: ``python -m launch.bench.rl --out rl.jsonl``
 ``launch.bench.distill``  distillation, ours against compile and Liger-Kernel's fused KL / JSD:
                           ``python -m launch.bench.distill --out distill.jsonl``
+``launch.bench.mtp``      multi-token prediction, ours against torchtitan's MTPLoss (plain and compiled):
+                          ``python -m launch.bench.mtp --out mtp.jsonl``
 ``launch.bench.step``     one Llama3-8B training step per loss: ``python -m launch.bench.step --out step.jsonl``
 ``launch.bench.fused``    the fused GEMM kernels against cuBLAS + row passes:
                           ``python -m launch.bench.fused --set tiles --options --out fused.jsonl``
 ``launch.bench.ignored``  ignored-token compaction, the linear ops at ignored fractions:
                           ``python -m launch.bench.ignored --ahead-ms 0,5 --out ignored.jsonl``
 ``launch.bench.timing``   the timing helper all of them share
+``launch.bench.harness``  the loss benchmarks' command line and records (errors, JSON lines, the table)
 ========================  =================================================================
 
 Every module takes ``--help``, and the measuring ones (``loss``, ``tp``, ``rl``, ``distill``,
-``step``, ``fused``, ``ignored``) share two options: ``--out PATH`` appends one JSON line per measurement to
+``step``, ``fused``, ``ignored``, ``mtp``) share two options: ``--out PATH`` appends one JSON line per measurement to
 PATH, and ``--smoke`` runs tiny shapes that a CPU can do (a smoke test; its timings mean nothing).
 (``plot``'s ``--out`` is the folder its figures go to.) ``results/`` holds the JSON lines the docs' tables are made from.
 Before benchmarking a GPU, run the CUDA tests on it::

@@ -34,8 +34,6 @@ Run from the repository root::
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import sys
 import traceback
@@ -43,6 +41,7 @@ import traceback
 import torch
 
 import vparallel_ce
+from launch.bench.harness import build_methods, error_text, parse_run, run_shapes
 from launch.bench.timing import clear_grads, peak_of, timed_in_rounds
 
 # Llama3-8B student (H=4096) with a Llama3-70B-width teacher (H=8192); full vocab and its TP=8 shard
@@ -173,18 +172,10 @@ def bench_shape(tag, shape, args, device, emit):
     tgt = torch.randint(0, v, (n,), generator=g)
     tgt[torch.rand(n, generator=g) < 0.1] = -100  # prompt / padding tokens
     tgt = tgt.to(device)
-    refs, records, fns = {}, {}, {}
-    for name in args.methods:
-        records[name] = dict(shape=tag, N=n, H_student=h_s, H_teacher=h_t, V=v, method=name,
-                             temperature=args.temperature)
-        try:
-            fn = make_method(name, device, args.temperature)
-            if fn is None:
-                records[name].update(error="not available here")
-            else:
-                fns[name] = fn
-        except Exception as e:  # noqa: BLE001 -- recorded, the other methods go on
-            records[name].update(error=_error(e))
+    records, fns = build_methods(args.methods, lambda name: make_method(name, device, args.temperature),
+                                 lambda name: dict(shape=tag, N=n, H_student=h_s, H_teacher=h_t, V=v, method=name,
+                                                   temperature=args.temperature))
+    refs = {}
 
     def once(fn):
         loss = fn(hs, ws, ht, wt, tgt)
@@ -213,7 +204,7 @@ def bench_shape(tag, shape, args, device, emit):
                 r_loss, r_dh, r_dw = refs[kind]
                 rec.update(err_loss=rel(loss.detach(), r_loss), err_dh=rel(hs.grad, r_dh), err_dw=rel(ws.grad, r_dw))
         except Exception as e:  # noqa: BLE001 -- OOM, a missing op: recorded, the rest go on
-            rec.update(error=_error(e))
+            rec.update(error=error_text(e))
             if args.verbose:
                 traceback.print_exception(e)
         clear_grads((hs, ws))
@@ -224,72 +215,21 @@ def bench_shape(tag, shape, args, device, emit):
     return list(records.values())
 
 
-def _error(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-
-
-def fmt(x, spec):
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def print_table(records):
-    print("\n## launch.bench.distill: fwd+bwd median ms; peak GiB over resident inputs (incl. dh + dW); "
-          "errors vs float64 of the same bf16 inputs")
-    print("| shape | method | ms | peak GiB | err loss | err dh | err dW |")
-    print("|" + "---|" * 7)
-    for r in records:
-        if "error" in r:
-            print(f"| {r['shape']} | {r['method']} | {r['error']} | | | | |")
-            continue
-        behind = f" ({fmt(r['ms_behind'], '.2f')} behind queued work)" if "ms_behind" in r else ""
-        print(f"| {r['shape']} | {r['method']} | {fmt(r['ms'], '.2f')}{behind} | {fmt(r['peak_gib'], '.3f')} | "
-              f"{fmt(r.get('err_loss'), '.1e')} | {fmt(r.get('err_dh'), '.1e')} | {fmt(r.get('err_dw'), '.1e')} |")
-
-
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI), 2 repeats")
-    p.add_argument("--shapes", default=None, help="comma list of shape names or NxHsxHtxV")
-    p.add_argument("--methods", default=None, help="comma list (default: every method for the shapes)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--repeats", type=int, default=None, help="timed runs (default 10; 2 with --smoke)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up runs (default 2; 1 with --smoke)")
-    p.add_argument("--no-ref", action="store_true", help="skip the float64 reference (no error columns)")
-    p.add_argument("--ahead-ms", type=float, default=0.0,
-                   help="also time each method behind this much queued GPU work (ms_behind; see timing.timed)")
-    p.add_argument("--out", default=None, help="append one JSON line per measurement to this file")
-    p.add_argument("--verbose", action="store_true")
-    args = p.parse_args(argv)
+    def more(p):
+        p.add_argument("--temperature", type=float, default=1.0)
+        p.add_argument("--ahead-ms", type=float, default=0.0,
+                       help="also time each method behind this much queued GPU work (ms_behind; see timing.timed)")
 
-    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    args.methods = [m for m in (args.methods or ",".join(SMOKE_METHODS if args.smoke else METHODS)).split(",") if m]
-    args.repeats = args.repeats if args.repeats is not None else (2 if args.smoke else 10)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
-    known = {**SHAPES, **SMOKE_SHAPES}
-    names = args.shapes.split(",") if args.shapes else list(SMOKE_SHAPES if args.smoke else SHAPES)
-    shapes = {s: known.get(s) or tuple(int(x) for x in s.lower().split("x")) for s in names}
-    env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu")
+    args, device, shapes, env = parse_run(__doc__, argv, shapes=SHAPES, smoke_shapes=SMOKE_SHAPES, methods=METHODS,
+                                          smoke_methods=SMOKE_METHODS, more=more)
     print(f"# launch.bench.distill: {env}, T={args.temperature}, repeats {args.repeats}, warmup {args.warmup}",
           flush=True)
-    fh = open(args.out, "a") if args.out else None
 
-    def emit(rec):
-        rec = {**rec, **env}
-        print(json.dumps(rec), flush=True)
-        if fh is not None:
-            fh.write(json.dumps(rec) + "\n")
-            fh.flush()
-
-    records = []
-    try:
-        for tag, shape in shapes.items():
-            records += bench_shape(tag, shape, args, device, emit)
-    finally:
-        if fh is not None:
-            fh.close()
-    print_table(records)
-    # peers may be missing or run out of memory; ours may not fail
-    return 1 if any("error" in r for r in records if r["method"].startswith("ours")) else 0
+    title = ("launch.bench.distill: fwd+bwd median ms; peak GiB over resident inputs (incl. dh + dW); "
+             "errors vs float64 of the same bf16 inputs")
+    return run_shapes(title, shapes, lambda tag, shape, emit: bench_shape(tag, shape, args, device, emit), args.out,
+                      env)
 
 
 if __name__ == "__main__":

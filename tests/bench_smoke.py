@@ -1,0 +1,37 @@
+"""Run a benchmark module's ``--smoke`` mode on CPU in a subprocess (test helper)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROW_RE = re.compile(r"^\| (smoke\S*) \| (\S+) \| ([0-9.]+) \|", re.M)
+
+
+def run_smoke(module: str, out: Path, *args: str, timeout: float = 240) -> tuple[set, list[dict]]:
+    """``python -m module --smoke --out out *args`` with no GPU visible; asserts exit 0. Returns the
+    ``(shape, method)`` rows of its final table that hold a time, and the JSON records written."""
+    env = dict(os.environ)
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-m", module, "--smoke", "--out", str(out), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = {(m.group(1), m.group(2)) for m in ROW_RE.finditer(proc.stdout)}
+    return rows, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def assert_like_plain(recs: list[dict], key) -> None:
+    """Every record measured without error, and at the bf16 level: each error within 2x that of
+    the ``plain`` method of the same ``key(record)`` (and never far off)."""
+    plain = {key(r): r for r in recs if r["method"].startswith("plain")}
+    for r in recs:
+        assert "error" not in r, r
+        base = plain[key(r)]
+        for err in ("err_loss", "err_dh", "err_dw"):
+            assert r[err] < max(2 * base[err], 1e-3) and r[err] < 3e-2, (err, r, base)
