@@ -32,7 +32,7 @@ from tests.test_demo import _env as demo_env, free_port
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "tests" / "torchtitan_cpu.py"
 ASSETS = ROOT / "launch" / "cluster" / "torchtitan_assets.py"
-RUN_TIMEOUT = 420  # seconds per set of processes (all its trainer runs)
+RUN_TIMEOUT = 120, 60  # seconds per set of processes: to start, and per trainer run in it
 STEPS = 3
 STEP_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eEnaif]+)\s+grad_norm:\s*([-+0-9.eEnaif]+)")
 OVERRIDES = "vparallel_ce.integrations.torchtitan.overrides"
@@ -272,14 +272,15 @@ def train(assets: Path, tmp: Path, nproc: int, layout: tuple, runs: dict[str, tu
             procs.append(subprocess.Popen([sys.executable, str(LAUNCHER), *argv], cwd=tmp, env=env,
                                           stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                           start_new_session=True))
+    timeout = RUN_TIMEOUT[0] + RUN_TIMEOUT[1] * len(runs)
     try:
         for p in procs:
-            p.wait(timeout=RUN_TIMEOUT)
+            p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-        pytest.fail(f"{_last_run(runs, logs[-1])}: torchtitan did not finish within {RUN_TIMEOUT}s:\n"
+        pytest.fail(f"{_last_run(runs, logs[-1])}: torchtitan did not finish within {timeout}s:\n"
                     f"{logs[-1].read_text()[-4000:]}")
     for r, p in enumerate(procs):
         assert p.returncode == 0, (f"{_last_run(runs, logs[r])} rank {r} failed ({p.returncode}):\n"
