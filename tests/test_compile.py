@@ -202,6 +202,7 @@ def test_second_backward_reads_the_kept_logits_again():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_second_backward_with_the_triton_kernels():
     """The same with the Triton row passes (under the interpreter), whose gradient pass can write
     over logits it owns: the kept ones of a compiled call it must not."""
@@ -293,6 +294,7 @@ def _tp_rank(rank, world):
     return [str(w.message)[:300] for w in ours], records
 
 
+@pytest.mark.slow
 def test_tp2_compiled_equals_eager_without_warnings():
     for caught, records in run_ranks(_tp_rank, 2, timeout=240):
         assert caught == [] and records == [], (caught, records)

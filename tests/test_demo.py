@@ -6,7 +6,7 @@ one process with plain ``F.cross_entropy`` (loss and gradient norm), ``OK`` or `
 tests check that verdict and compare the curves:
 
 * the README's command (DP2 x TP2 x PP2, the fused loss) and the chunked loss with sequence parallel
-  give OK and the curve of DP2 with the naive loss (full logits + ``F.cross_entropy``),
+  (TP2 x PP2) give OK and the curve of DP2 with the naive loss (full logits + ``F.cross_entropy``),
 * two "nodes" on loopback (launch/cluster/multinode.sh) meet through the c10d rendezvous and agree,
 * a layout that does not fit the world size exits non-zero with its message.
 
@@ -100,10 +100,13 @@ def reference(tmp_path_factory) -> dict[int, float]:
     return curve
 
 
-@pytest.mark.parametrize("extra", [[], ["--loss", "chunked", "--sp"]], ids=["readme-fused", "chunked-sp"])
-def test_dp2_tp2_pp2_matches_dp2(tmp_path, reference, extra):
-    """8 ranks with no layout flags: the README's DP2 x TP2 x PP2."""
-    assert_same_curve(train(tmp_path, 8, *extra), reference)
+@pytest.mark.parametrize("nproc, extra", [(8, []), (4, ["--dp", "1", "--tp", "2", "--pp", "2", "--loss", "chunked",
+                                                             "--sp"])], ids=["readme-dp2-tp2-pp2-fused", "tp2-pp2-chunked-sp"])
+def test_parallel_layouts_match_dp2(tmp_path, reference, nproc, extra):
+    """8 ranks with no layout flags: the README's DP2 x TP2 x PP2 with the fused loss; the chunked
+    loss with sequence parallelism on TP2 x PP2 (4 ranks: DP is covered by the README's layout and
+    the two nodes)."""
+    assert_same_curve(train(tmp_path, nproc, *extra), reference)
 
 
 def test_two_nodes_on_loopback(tmp_path, reference):

@@ -108,6 +108,7 @@ def _run(script: str, device: str) -> subprocess.CompletedProcess:
                           timeout=240)
 
 
+@pytest.mark.slow
 def test_each_step_matches_the_torch_reference_in_the_interpreter():
     proc = _run(_STEP_CHECKS, "cpu")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -198,6 +199,7 @@ def test_the_plan_counts_the_triton_passes_only_where_they_run():
     assert "DISTILL_PLAN_OK" in proc.stdout
 
 
+@pytest.mark.slow
 def test_both_ops_on_the_triton_backend_match_the_torch_backend_in_the_interpreter():
     proc = _run(_OP_CHECKS, "cpu")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "launch" / "examples"
 TIMEOUT = 180  # seconds per run
 
+pytestmark = pytest.mark.slow  # separate processes each: started first (tests/conftest.py)
+
 
 def _env() -> dict:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}

@@ -187,6 +187,7 @@ def _run_interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 def test_kernels_match_torch_ops_in_interpreter():
     proc = _run_interpreted(_INTERPRETER_CHECKS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -361,6 +361,7 @@ def tp_rank(rank, world, degree, vocabs, every):
     return failures, None
 
 
+@pytest.mark.slow
 def test_tp2_grid_sequence_parallel_and_dtensor():
     # V=7 over 2 ranks: 4/3 rows; V=3: 2/1
     _assert_clean([failures for failures, _ in run_ranks(tp_rank, 4, 2, (7, 3), 3, timeout=150)])

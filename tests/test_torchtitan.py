@@ -2,10 +2,10 @@
 
 In-process checks of the pieces, then torchtitan's own trainer (tests/torchtitan_cpu.py) on its
 llama3 debug model for a few steps, on a tokenizer and a text dataset that
-launch/cluster/torchtitan_assets.py writes into the test's tmp dir (nothing is downloaded). Each
-layout runs in one set of processes, the trainer once per loss: torchtitan's plain
-``CrossEntropyLoss`` (the debug config's ``llama3_debugmodel_ce_loss``), then ours selected by
-``--override.imports``. Ours must give its loss and grad-norm curves:
+launch/cluster/torchtitan_assets.py writes into the test's tmp dir (nothing is downloaded). World 1
+runs in one process and every world-2 layout in one pair of processes, the trainer once per layout
+and loss: torchtitan's plain ``CrossEntropyLoss`` (the debug config's ``llama3_debugmodel_ce_loss``),
+then ours selected by ``--override.imports``. Ours must give that layout's loss and grad-norm curves:
 
 * world 1 (also with the fused loss compiled), FSDP dp2 (resharding after every forward), TP 2 with
   and without sequence parallelism, PP 2 (1F1B, 2 microbatches: ``global_valid_tokens`` reaches
@@ -32,7 +32,7 @@ from tests.test_demo import _env as demo_env, free_port
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "tests" / "torchtitan_cpu.py"
 ASSETS = ROOT / "launch" / "cluster" / "torchtitan_assets.py"
-RUN_TIMEOUT = 300  # seconds per layout (all its trainer runs)
+RUN_TIMEOUT = 120, 60  # seconds per set of processes: to start, and per trainer run in it
 STEPS = 3
 STEP_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eEnaif]+)\s+grad_norm:\s*([-+0-9.eEnaif]+)")
 OVERRIDES = "vparallel_ce.integrations.torchtitan.overrides"
@@ -248,8 +248,9 @@ def assets(tmp_path_factory) -> Path:
 
 def train(assets: Path, tmp: Path, nproc: int, layout: tuple, runs: dict[str, tuple]) -> dict[str, dict]:
     """torchtitan's trainer on ``nproc`` ranks with the ``layout`` flags, once per entry of
-    ``runs`` ({name: extra flags}), in one set of processes: {name: {step: (loss, grad_norm)}} as
-    logged by the last rank (which holds the last pipeline stage, hence the loss)."""
+    ``runs`` ({name: extra flags, which may add layout flags of their own}), in one set of
+    processes: {name: {step: (loss, grad_norm)}} as logged by the last rank (which holds the last
+    pipeline stage, hence the loss)."""
     common = ["--module", "tests.torchtitan_cpu", "--config", "debugmodel",
               "--hf_assets_path", str(assets / "tokenizer"), "--dataloader.dataset", "c4_test",
               "--dataloader.dataset_path", str(assets / "data"), "--training.local_batch_size", "2",
@@ -271,16 +272,19 @@ def train(assets: Path, tmp: Path, nproc: int, layout: tuple, runs: dict[str, tu
             procs.append(subprocess.Popen([sys.executable, str(LAUNCHER), *argv], cwd=tmp, env=env,
                                           stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                           start_new_session=True))
+    timeout = RUN_TIMEOUT[0] + RUN_TIMEOUT[1] * len(runs)
     try:
         for p in procs:
-            p.wait(timeout=RUN_TIMEOUT)
+            p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-        pytest.fail(f"{layout}: torchtitan did not finish within {RUN_TIMEOUT}s:\n{logs[-1].read_text()[-4000:]}")
+        pytest.fail(f"{_last_run(runs, logs[-1])}: torchtitan did not finish within {timeout}s:\n"
+                    f"{logs[-1].read_text()[-4000:]}")
     for r, p in enumerate(procs):
-        assert p.returncode == 0, f"{layout} rank {r} failed ({p.returncode}):\n{logs[r].read_text()[-6000:]}"
+        assert p.returncode == 0, (f"{_last_run(runs, logs[r])} rank {r} failed ({p.returncode}):\n"
+                                   f"{logs[r].read_text()[-6000:]}")
     parts = re.split(r"^vparallel-run: \d+$", logs[-1].read_text(), flags=re.M)[1:]
     assert len(parts) == len(runs), logs[-1].read_text()[-3000:]
     curves = {}
@@ -288,6 +292,12 @@ def train(assets: Path, tmp: Path, nproc: int, layout: tuple, runs: dict[str, tu
         curves[name] = {int(s): (float(loss), float(g)) for s, loss, g in STEP_RE.findall(log)}
         assert sorted(curves[name]) == list(range(1, STEPS + 1)), f"{name}: no loss line for every step:\n{log[-3000:]}"
     return curves
+
+
+def _last_run(runs: dict[str, tuple], log: Path) -> str:
+    """The name of the run a rank's log ends in (the launcher prints ``vparallel-run: K`` first)."""
+    started = re.findall(r"^vparallel-run: (\d+)$", log.read_text(), flags=re.M)
+    return f"run {list(runs)[int(started[-1])]!r}" if started else "before the first run"
 
 
 def assert_same_curves(curves: dict, *, baseline: str = "torchtitan", loss_tol: float = 2e-4,
@@ -315,39 +325,39 @@ def test_world1_gives_torchtitans_curves_also_with_the_loss_compiled(assets, tmp
     assert_same_curves(train(assets, tmp_path, 1, (), {**RUNS, "fused compiled": compiled}))
 
 
-@needs_titan
-@pytest.mark.slow
-def test_fsdp_dp2_gives_torchtitans_curves(assets, tmp_path):
-    """FSDP2 over 2 ranks, resharding after every forward: the fused loss unshards the lm_head's
-    group itself, and its weight gradient is reduce-scattered with the norm's. (The logits loss
-    sees plain logits under FSDP, as at world 1.)"""
-    layout = (*MULTI_RANK, "--parallelism.data_parallel_shard_degree", "2",
-              "--parallelism.fsdp_reshard_after_forward", "always")
-    assert_same_curves(train(assets, tmp_path, 2, layout, {"torchtitan": (), "fused": FUSED}))
+FSDP = (*MULTI_RANK, "--parallelism.data_parallel_shard_degree", "2", "--parallelism.fsdp_reshard_after_forward",
+        "always")
+TP = (*MULTI_RANK, "--parallelism.tensor_parallel_degree", "2")
+NO_SP = ("--parallelism.no-enable-sequence-parallel",)
+PP = (*MULTI_RANK, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B")
+# {layout: {run: flags}}: every run of a layout is compared with that layout's torchtitan run
+LAYOUTS_AT_WORLD_2 = {
+    # FSDP2 over 2 ranks, resharding after every forward: the fused loss unshards the lm_head's
+    # group itself, and its weight gradient is reduce-scattered with the norm's. (The logits loss
+    # sees plain logits under FSDP, as at world 1.)
+    "FSDP dp2": {"torchtitan": FSDP, "fused": (*FSDP, *FUSED)},
+    # TP 2, torchtitan's loss parallelism: the logits are a Shard(-1) DTensor, the lm_head weight
+    # Shard(0). The fused loss's options come from the override's kwargs. Without sequence
+    # parallelism only the fused loss runs again, against the same baseline: torchtitan's loss sees
+    # the same logits either way (the final norm gathers the sequence before the lm_head).
+    "TP 2": {"torchtitan": TP, "logits": (*TP, *LOGITS), "fused": (*TP, *FUSED),
+             "fused vocab blocks": (*TP, FUSED[0], f'{FUSED[1]}={{"chunks": 2, "schedule": "vocab"}}'),
+             "fused without SP": (*TP, *NO_SP, *FUSED)},
+    # PP 2 (1F1B, 2 microbatches): the schedule calls the loss per microbatch with the step's
+    # global_valid_tokens; the fused loss runs its backward inside the call and hands the hidden
+    # gradient to the schedule's backward.
+    "PP 2": {"torchtitan": PP, "logits": (*PP, *LOGITS), "fused": (*PP, *FUSED)},
+}
 
 
 @needs_titan
 @pytest.mark.slow
-def test_tp2_with_and_without_sequence_parallelism_gives_torchtitans_curves(assets, tmp_path):
-    """TP 2, torchtitan's loss parallelism: the logits are a Shard(-1) DTensor, the lm_head weight
-    Shard(0). The fused loss's options come from the override's kwargs. Without sequence
-    parallelism only the fused loss runs again: the logits loss sees the same logits either way
-    (the final norm gathers the sequence before the lm_head)."""
-    fused_vocab = ("--override.imports", f'{FUSED[1]}={{"chunks": 2, "schedule": "vocab"}}')
-    no_sp = ("--parallelism.no-enable-sequence-parallel",)
-    curves = train(assets, tmp_path, 2, (*MULTI_RANK, "--parallelism.tensor_parallel_degree", "2"),
-                   {**RUNS, "fused vocab blocks": fused_vocab, "torchtitan no SP": no_sp,
-                    "fused no SP": (*FUSED, *no_sp)})
-    assert_same_curves({k: v for k, v in curves.items() if "no SP" not in k})
-    assert_same_curves({k: v for k, v in curves.items() if "no SP" in k}, baseline="torchtitan no SP")
-
-
-@needs_titan
-@pytest.mark.slow
-def test_pp2_gives_torchtitans_curves(assets, tmp_path):
-    """PP 2 (1F1B, 2 microbatches): the schedule calls the loss per microbatch with the step's
-    global_valid_tokens; the fused loss runs its backward inside the call and hands the hidden
-    gradient to the schedule's backward."""
-    layout = (*MULTI_RANK, "--parallelism.pipeline_parallel_degree", "2",
-              "--parallelism.pipeline_parallel_schedule", "1F1B")
-    assert_same_curves(train(assets, tmp_path, 2, layout, RUNS))
+def test_fsdp_tp_and_pp_at_world_2_give_torchtitans_curves(assets, tmp_path):
+    """Every world-2 layout in one pair of processes (torchtitan's import, most of a short CPU
+    run, is paid once): each layout's runs give its torchtitan run's curves; a failure names the
+    layout and the run."""
+    runs = {f"{layout}: {name}": flags for layout, named in LAYOUTS_AT_WORLD_2.items() for name, flags in named.items()}
+    curves = train(assets, tmp_path, 2, (), runs)
+    for layout, named in LAYOUTS_AT_WORLD_2.items():
+        assert_same_curves({f"{layout}: {name}": curves[f"{layout}: {name}"] for name in named},
+                           baseline=f"{layout}: torchtitan")
