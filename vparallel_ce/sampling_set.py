@@ -253,12 +253,9 @@ class SetLogprobs(torch.autograd.Function):
             sr = SetRows.of(support[sl], target[sl], call)
             x_c = x[sl]
             ch = _Chunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None)
-            tau = ch.masked(call, masks, None)
-            st = combine(ch.stats(call), call.layout)
-            sr.in_set = sr.in_set & (st.target != float("-inf"))  # a target the masks drop: p = 0
-            logp, ent = _outputs(st, sr)
+            logp, ent, kept = _chunk_outputs(ch, sr, call, masks)
             outs.append((logp, ent))
-            saved.append((sr, tau, st.max, st.log_s, ent))
+            saved.append(kept)
         ctx.save_for_backward(x)
         ctx.call, ctx.masks, ctx.rows, ctx.saved = call, masks, rows, saved
         ctx.set_materialize_grads(False)
@@ -288,6 +285,16 @@ class SetLogprobs(torch.autograd.Function):
         return dx, None, None, None, None, None
 
 
+def _chunk_outputs(ch: _Chunk, sr: SetRows, call: Call, masks: SamplingMasks):
+    """One chunk's ``(logp, entropy)`` over its sets (the masks applied, the statistics joined over
+    the group) and what its backward reads again: ``(rows, mask threshold, max, log-sum, entropy)``."""
+    tau = ch.masked(call, masks, None)
+    st = combine(ch.stats(call), call.layout)
+    sr.in_set = sr.in_set & (st.target != float("-inf"))  # a target the masks drop: p = 0
+    logp, ent = _outputs(st, sr)
+    return logp, ent, (sr, tau, st.max, st.log_s, ent)
+
+
 class LinearSetLogprobs(torch.autograd.Function):
     """Log-probs over the set from hidden states and this rank's lm_head shard: per chunk only the
     kept ids' logits (gathered weight rows) or one GEMM over the shard (module docstring's rule)."""
@@ -303,12 +310,9 @@ class LinearSetLogprobs(torch.autograd.Function):
             s_c = rows.gather(c, support, fill=-1)
             sr = SetRows.of(s_c, t_c, call)
             ch, gathered = _linear_chunk(call, sr, h_c, wm, bm)
-            tau = ch.masked(call, masks, None)
-            st = combine(ch.stats(call), call.layout)
-            sr.in_set = sr.in_set & (st.target != float("-inf"))  # a target the masks drop: p = 0
-            logp, ent = _outputs(st, sr)
+            logp, ent, kept = _chunk_outputs(ch, sr, call, masks)
             outs.append((rows.own(c, logp), rows.own(c, ent)))
-            saved.append((sr, tau, st.max, st.log_s, ent))
+            saved.append(kept)
         ctx.save_for_backward(h, w, b, target, support)
         ctx.call, ctx.masks, ctx.rows, ctx.saved = call, masks, rows, saved
         ctx.set_materialize_grads(False)
