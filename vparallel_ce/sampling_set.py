@@ -257,10 +257,7 @@ class SetLogprobs(torch.autograd.Function):
             outs.append((logp, ent))
             saved.append(kept)
         ctx.save_for_backward(x)
-        ctx.call, ctx.masks, ctx.rows, ctx.saved = call, masks, rows, saved
-        ctx.set_materialize_grads(False)
-        logp, ent = (torch.cat(p) for p in zip(*outs))
-        return logp, ent
+        return _kept_for_backward(ctx, call, masks, rows, saved, outs)
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
@@ -283,6 +280,15 @@ class SetLogprobs(torch.autograd.Function):
                 d[sr.full] = d_full
             dx[sl] = d.to(x.dtype)
         return dx, None, None, None, None, None
+
+
+def _kept_for_backward(ctx, call: Call, masks: SamplingMasks, rows: Rows, saved: list, outs: list):
+    """What the backward reads besides the saved tensors, and the forward's ``(logp, entropy)`` of
+    its chunks' ``outs``."""
+    ctx.call, ctx.masks, ctx.rows, ctx.saved = call, masks, rows, saved
+    ctx.set_materialize_grads(False)
+    logp, ent = (torch.cat(p) for p in zip(*outs))
+    return logp, ent
 
 
 def _chunk_outputs(ch: _Chunk, sr: SetRows, call: Call, masks: SamplingMasks):
@@ -314,10 +320,7 @@ class LinearSetLogprobs(torch.autograd.Function):
             outs.append((rows.own(c, logp), rows.own(c, ent)))
             saved.append(kept)
         ctx.save_for_backward(h, w, b, target, support)
-        ctx.call, ctx.masks, ctx.rows, ctx.saved = call, masks, rows, saved
-        ctx.set_materialize_grads(False)
-        logp, ent = (torch.cat(p) for p in zip(*outs))
-        return logp, ent
+        return _kept_for_backward(ctx, call, masks, rows, saved, outs)
 
     @staticmethod
     def backward(ctx, g_logp, g_entropy):
