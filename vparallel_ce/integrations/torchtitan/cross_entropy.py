@@ -25,7 +25,7 @@ from torchtitan.tools.logging import logger
 
 import vparallel_ce
 
-from .options import common_options, policy
+from .options import common_options, policy, reduction
 from .tensor_parallel import check_backend, tp_group
 
 __all__ = ["VParallelCrossEntropyLoss"]
@@ -63,8 +63,8 @@ class VParallelCrossEntropyLoss(CrossEntropyLoss):
 
     def _loss(self, pred: torch.Tensor, labels: torch.Tensor, global_valid_tokens) -> torch.Tensor:
         check_backend(labels, type(self).__name__)
-        reduction = "sum" if global_valid_tokens is None else "mean"
-        return vparallel_ce.cross_entropy(pred, labels, group=tp_group(pred), reduction=reduction,
+        return vparallel_ce.cross_entropy(pred, labels, group=tp_group(pred),
+                                          reduction=reduction(global_valid_tokens),
                                           num_valid_tokens=global_valid_tokens, **self.options)
 
     def __call__(

@@ -41,7 +41,7 @@ from torchtitan.tools.logging import logger
 import vparallel_ce
 from vparallel_ce.policy import ChunkPolicy
 
-from .options import common_options, policy, recompute
+from .options import common_options, policy, recompute, reduction
 from .tensor_parallel import check_backend, hidden_grad_for_decoder, tp_group
 
 __all__ = ["VParallelLinearCrossEntropyLoss"]
@@ -110,8 +110,8 @@ class VParallelLinearCrossEntropyLoss(ChunkedLossWrapper):
         return self.options["policy"]
 
     def _loss(self, hidden, weight, bias, labels, global_valid_tokens, group) -> torch.Tensor:
-        reduction = "sum" if global_valid_tokens is None else "mean"
-        return vparallel_ce.linear_cross_entropy(hidden, weight, labels, bias, group=group, reduction=reduction,
+        return vparallel_ce.linear_cross_entropy(hidden, weight, labels, bias, group=group,
+                                                 reduction=reduction(global_valid_tokens),
                                                  num_valid_tokens=global_valid_tokens, **self.options)
 
     def __call__(

@@ -55,3 +55,9 @@ def common_options(config) -> dict:
     return {"chunks": chunks(config.chunks), "label_smoothing": float(config.label_smoothing),
             "z_loss": float(config.z_loss), "check": bool(config.check),
             "vocab_size": config.global_vocab_size}
+
+
+def reduction(global_valid_tokens) -> str:
+    """The op's reduction for torchtitan's ``global_valid_tokens``: ``"mean"`` over that count, or
+    ``"sum"`` where the trainer gives none (its own ``CrossEntropyLoss`` sums then)."""
+    return "sum" if global_valid_tokens is None else "mean"
