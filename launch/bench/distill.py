@@ -36,12 +36,11 @@ from __future__ import annotations
 
 import math
 import sys
-import traceback
 
 import torch
 
 import vparallel_ce
-from launch.bench.harness import build_methods, error_text, parse_run, run_shapes
+from launch.bench.harness import build_methods, parse_run, record_error, run_shapes
 from launch.bench.timing import clear_grads, peak_of, timed_in_rounds
 
 # Llama3-8B student (H=4096) with a Llama3-70B-width teacher (H=8192); full vocab and its TP=8 shard
@@ -204,9 +203,7 @@ def bench_shape(tag, shape, args, device, emit):
                 r_loss, r_dh, r_dw = refs[kind]
                 rec.update(err_loss=rel(loss.detach(), r_loss), err_dh=rel(hs.grad, r_dh), err_dw=rel(ws.grad, r_dw))
         except Exception as e:  # noqa: BLE001 -- OOM, a missing op: recorded, the rest go on
-            rec.update(error=error_text(e))
-            if args.verbose:
-                traceback.print_exception(e)
+            record_error(rec, e, args.verbose)
         clear_grads((hs, ws))
         if device.type == "cuda":
             torch.cuda.empty_cache()

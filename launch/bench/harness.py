@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import traceback
 
 import torch
 
@@ -45,6 +46,14 @@ def parse_run(doc: str, argv, *, shapes: dict, smoke_shapes: dict, methods, smok
 def error_text(e: Exception) -> str:
     """An exception as a record's ``error``: its type and the first line of its message."""
     return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
+def record_error(rec: dict, e: Exception, verbose: bool) -> None:
+    """A method's failure (an OOM, a missing op) in its record, so the other methods go on; its
+    traceback printed too with ``--verbose``."""
+    rec.update(error=error_text(e))
+    if verbose:
+        traceback.print_exception(e)
 
 
 def cell(x, spec: str) -> str:

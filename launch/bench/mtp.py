@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import math
 import sys
-import traceback
 
 import torch
 import torch.nn.functional as F
 
 import vparallel_ce
-from launch.bench.harness import build_methods, error_text, parse_run, run_shapes
+from launch.bench.harness import build_methods, parse_run, record_error, run_shapes
 from launch.bench.timing import clear_grads, peak_of, timed_in_rounds
 from vparallel_ce.labels import mtp_labels
 
@@ -157,9 +156,7 @@ def bench_shape(tag, shape, args, device, emit):
                 rec.update(err_loss=rel(loss.detach(), r_loss), err_dh=max(rel(x.grad, r) for x, r in zip(hs, r_dhs)),
                            err_dw=rel(w.grad, r_dw))
         except Exception as e:  # noqa: BLE001 -- OOM, a missing op: recorded, the rest go on
-            rec.update(error=error_text(e))
-            if args.verbose:
-                traceback.print_exception(e)
+            record_error(rec, e, args.verbose)
         clear_grads(params)
         if device.type == "cuda":
             torch.cuda.empty_cache()
