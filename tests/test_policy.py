@@ -228,7 +228,7 @@ def test_a_memory_target_picks_the_fastest_plan_whose_modelled_peak_fits():
 
 
 def test_the_memory_target_is_explained_and_part_of_the_policy_the_ranks_agree_on():
-    from vparallel_ce.agreement import _policy_code
+    from vparallel_ce.facts import _policy_code
 
     text = explain(16384, 32777, 1, hidden_size=768, fused=True, policy=ChunkPolicy(memory_bytes=int(0.15 * GiB)))
     assert "0.15 GiB memory target" in text and "19 vocab blocks, the fewest that fit" in text, text

@@ -1,4 +1,4 @@
-"""The library's module map holds: one communication module, no import cycle, one front door."""
+"""The library's module map holds: one communication module, no import cycle, one front door, short modules."""
 
 from __future__ import annotations
 
@@ -87,3 +87,10 @@ def test_the_module_map_in_the_design_doc_names_every_module():
     modules |= {path.name for path in (PACKAGE / "kernels").glob("*.py") if path.name != "__init__.py"}
     missing = sorted(m for m in modules if m not in listed)
     assert not missing, f"docs/design.md's module map lacks {missing}"
+
+
+def test_no_library_module_is_longer_than_450_lines():
+    # one idea per module: a module past this has grown a second subject worth its own file
+    long = sorted(f"{path.relative_to(PACKAGE)}: {n}" for path in PACKAGE.rglob("*.py")
+                  if (n := len(path.read_text().splitlines())) > 450)
+    assert not long, f"library modules over 450 lines: {long}"

@@ -30,23 +30,14 @@ reference, so every function here is always a drop-in.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from .. import stats
-from .config import settings
-from .tiles import DEFAULT_CONFIGS, TileConfig, covered
-from .tiles import _capability, _sm_count  # asked once per device
+from .tiles import DEFAULT_CONFIGS, TileConfig, _Launch, covered
 from .triton_ce import _int8, _interpreting, _tanh
-
-try:  # Triton >= 3.3
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover
-    TensorDescriptor = None
 
 __all__ = ["TileConfig", "DEFAULT_CONFIGS", "SCHEDULE_DTYPES", "covered", "takes_options", "schedule_covers",
            "linear_stats", "linear_stats_keep", "linear_grad_logits", "GradLogits"]
@@ -252,75 +243,6 @@ def _grad_kernel(
 
 
 # --------------------------------------------------------------------------------------------- host
-
-
-def _tma_ok(t: torch.Tensor) -> bool:
-    return (t.data_ptr() % 16 == 0 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
-            and t.shape[0] > 0)
-
-
-class _Launch:
-    """What the two GEMM kernels share: operand descriptors or pointers, grid, compile options."""
-
-    def __init__(self, h, w, cfg: TileConfig, h_descs: dict | None = None):
-        if h.stride(1) != 1:
-            h = h.contiguous()
-        if w.stride(1) != 1:
-            w = w.contiguous()
-        if h.element_size() == 4 and cfg.block_k > 32:
-            cfg = replace(cfg, block_k=cfg.block_k // 2)  # same bytes per pipeline stage
-        device = h.device
-        on_hopper = _interpreting() or (h.is_cuda and _capability(device) >= (9, 0))
-        self.tma = bool(cfg.tma and TensorDescriptor is not None and on_hopper and _tma_ok(h) and _tma_ok(w))
-        if cfg.schedule == "ws" and not _interpreting() and not settings().warp_specialized:
-            raise ValueError("schedule='ws' made an illegal memory access with Triton 3.6 on an H200 "
-                             "(docs/kernels.md); run it inside vparallel_ce.kernels.use(warp_specialized=True) "
-                             "or start the process with VPARALLEL_CE_FUSED_WS=1 to try it anyway")
-        if cfg.schedule == "ws" and not self.tma:
-            cfg = replace(cfg, schedule="persistent")
-        if not self.tma:
-            cfg = replace(cfg, block_n=min(cfg.block_n, 128))  # masked loads: registers for addresses
-        self.tma_store = self.tma and cfg.tma_store
-        self.cfg = cfg
-        self.h, self.w = h, w
-        self.c, self.V, self.K = h.shape[0], w.shape[0], h.shape[1]
-        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-        if self.tma:
-            # h's descriptor: one per box shape, shared by the blocks of a chunk (h_descs)
-            key = (bm, bk)
-            self.h_arg = None if h_descs is None else h_descs.get(key)
-            if self.h_arg is None:
-                self.h_arg = TensorDescriptor(h, [self.c, self.K], [h.stride(0), 1], [bm, bk])
-                if h_descs is not None:
-                    h_descs[key] = self.h_arg
-            self.w_arg = TensorDescriptor(w, [self.V, self.K], [w.stride(0), 1], [bn, bk])
-        else:
-            self.h_arg, self.w_arg = h, w
-        tiles = triton.cdiv(self.c, bm) * triton.cdiv(self.V, bn)
-        if cfg.schedule == "tiles":
-            self.n_prog = tiles
-        else:
-            self.n_prog = max(1, min(tiles, cfg.ctas_per_sm * _sm_count(device)))
-        if h.dtype == torch.float32:
-            prec = "tf32" if (h.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
-        else:
-            prec = "tf32"  # unused for 16-bit operands
-        self.meta = dict(
-            TMA=self.tma, TMA_STORE=self.tma_store, PREC=prec, SPLIT=bool(cfg.split_store and self.tma_store),
-            BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, FLATTEN=cfg.schedule == "persistent", WS=cfg.schedule == "ws",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-
-    def output(self, dtype):
-        """A ``[c, V]`` output (view of a buffer whose row stride is ``V`` rounded up to 16 elements)
-        and its kernel argument (a tensor descriptor under TMA)."""
-        ld = -(-self.V // 16) * 16  # >= 16 bytes and divisible by 16: the same compiled kernel for every V
-        base = torch.empty((self.c, ld), dtype=dtype, device=self.h.device)
-        out = base[:, : self.V]
-        if not self.tma_store:
-            return out, out, ld
-        box = [self.cfg.block_m, self.cfg.block_n // 2 if self.meta["SPLIT"] else self.cfg.block_n]
-        return out, TensorDescriptor(base, [self.c, self.V], [ld, 1], box), ld
 
 
 def _cap(spec):
