@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "vparallel_ce"
 
@@ -94,3 +97,15 @@ def test_no_library_module_is_longer_than_450_lines():
     long = sorted(f"{path.relative_to(PACKAGE)}: {n}" for path in PACKAGE.rglob("*.py")
                   if (n := len(path.read_text().splitlines())) > 450)
     assert not long, f"library modules over 450 lines: {long}"
+
+
+def test_importing_the_library_imports_neither_dynamo_nor_an_integrations_framework():
+    """``import vparallel_ce`` costs every spawned rank: torch._dynamo (about 1.5 s, with sympy) is
+    imported where a call is compiled, torchtitan, transformers and peft where an integration is used."""
+    heavy = ("torch._dynamo", "sympy", "torchtitan", "transformers", "peft")
+    code = ("import sys, vparallel_ce, vparallel_ce.integrations, vparallel_ce.pipeline; "
+            f"print(sorted(m for m in {heavy!r} if m in sys.modules))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["[]"], f"importing vparallel_ce imported {proc.stdout.strip()}"

@@ -28,34 +28,29 @@ kernels' shapes: every tensor of the state is its own output, so the count never
 kernel aliases its results. Symbolic sizes (dynamic shapes) are specialised there (:func:`_static`):
 the plan is a Python function of the sizes, so a graph holds for the shapes it was traced with.
 
-The options reach the ops as one string constant (:func:`_key`), with the ``torch.autocast`` dtype
-and the kernel settings (:func:`vparallel_ce.kernels.settings`) in force when dynamo traced the
-call: a graph keeps the settings it was traced with. On a process group of several ranks, or with
-DTensor inputs, the op runs eagerly between two graphs (``torch.compiler.disable``: a graph break at
-the op, no warning): its exchange reads the ranks' facts on the host and its chunk loop runs
-collectives.
+The options reach the ops as one string constant (:mod:`vparallel_ce.graph_key`), with the
+``torch.autocast`` dtype and the kernel settings (:func:`vparallel_ce.kernels.settings`) in force
+when dynamo traced the call: a graph keeps the settings it was traced with. On a process group of
+several ranks, or with DTensor inputs, the op runs eagerly between two graphs (:func:`run_eagerly`,
+``torch.compiler.disable``: a graph break at the op, no warning): its exchange reads the ranks'
+facts on the host and its chunk loop runs collectives.
 """
 
 from __future__ import annotations
 
-import ast
-import contextlib
 import contextvars
-import functools
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import guard_int
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import comm, kernels
 from .autocast import autocast_dtype
 from .dtensor import is_dtensor
-from .options import OPTION_NAMES, Options
-from .policy import ChunkPolicy
+from .options import Options
 from .compiled_state import TEMPLATES, Ctx, Tensors, fill, keep_template, strip, template_key
 
 __all__ = ["apply", "register", "front_door", "Start", "KEPT_READ_ONLY"]
@@ -113,18 +108,20 @@ def apply(name: str, tensors: tuple, group, options: Options):
     op = _op(name)
     if not _one_rank(op, tensors, group):
         return _eager(name, tensors, group, options)
+    from .graph_key import key_of, refused_count  # (imports dynamo, which is tracing this call)
+
     # no check here: an exception raised while dynamo traces reaches the user as dynamo's own error
     # (with fullgraph=True), so the options and tensors are checked by the front door in the op's
     # runs -- its fake run, under tracing, lets a refused call through (:func:`_refused`) and its
     # real run raises what eager raises
     count = options.num_valid_tokens
-    if _refused_count(count):  # written into the key as it is, for the real run to refuse as eager does
+    if refused_count(count):  # written into the key as it is, for the real run to refuse as eager does
         count = None
     elif count is not None and not isinstance(count, torch.Tensor):
         # an int is a constant of the graph (dynamo specialises it) but not of the key, which would
         # otherwise make a new template (TEMPLATES) for every count
         count = torch.tensor(count, dtype=torch.int64, device=tensors[0].device)
-    key = _key(options, autocast_dtype(tensors[0].device))
+    key = key_of(options, autocast_dtype(tensors[0].device))
     grad = torch.is_grad_enabled()
     need = [grad and t is not None and t.requires_grad for t in tensors]
     # the op inputs go in as the tensors present and where they are (autograd does not follow a
@@ -146,84 +143,22 @@ def _one_rank(op: _Op, tensors: tuple, group) -> bool:
     return group is None or comm.world_size(comm.resolve_group(group)) == 1
 
 
-@torch.compiler.disable
+def run_eagerly(fn: Callable) -> Callable:
+    """``torch.compiler.disable(fn)`` that imports dynamo at its first call instead of here: dynamo
+    meets the call as a graph break and runs ``fn`` eagerly, nothing in it traced. Importing
+    ``torch._dynamo`` costs a process about 1.5 s, which importing ``vparallel_ce`` should not
+    cost every rank of a job that never compiles; torch's own lazy form of the decorator does that
+    (torch decorates its own functions with it, and dynamo skips its module), else the public one."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
+
+
+@run_eagerly
 def _eager(name: str, tensors: tuple, group, options: Options):
     """The eager op, between two graphs."""
     op = _op(name)
     args, shape = op.start(list(tensors), op=name, group=group, options=options)
     return op.function.apply(*args), shape
-
-
-# ---------------------------------------------------------------------------------------------
-# The options as a string constant of the graph
-
-
-_FLOATS = frozenset({"label_smoothing", "z_loss", "softcap", "temperature", "beta", "hard_weight"})
-_DTYPES = frozenset({"logits_dtype"})  # written by name (a torch.dtype is no literal)
-_POLICY_FIELDS = tuple(f.name for f in fields(ChunkPolicy) if f.init)
-
-
-def _refused_count(count) -> bool:
-    """A ``num_valid_tokens`` that is neither None, a tensor nor an int >= 0 (its check refuses it)."""
-    return count is not None and not isinstance(count, torch.Tensor) and (
-        type(count) is not int or not 0 <= count <= 2**62)
-
-
-def _key(o: Options, amp) -> str:
-    """``o`` (checked), the autocast dtype ``amp`` and the kernel settings as one string: a tuple
-    literal of the options, then the two others. Built while dynamo traces, which folds it into a
-    constant. A tensor ``num_valid_tokens`` is an input of the op, written as ``'tensor'``."""
-    parts = []
-    for name in OPTION_NAMES:
-        v = getattr(o, name)
-        if name == "policy" and v is not None:
-            v = tuple(getattr(v, f) for f in _POLICY_FIELDS)
-        elif name == "num_valid_tokens" and v is not None and not _refused_count(v):
-            v = "tensor"
-        elif name in _FLOATS and v is not None:
-            v = float(v)
-        elif name in _DTYPES and v is not None:
-            v = str(v).removeprefix("torch.")
-        parts.append(f"{v!r}")
-    return f"({', '.join(parts)},)|{amp!r}|{_settings_code()}"
-
-
-@torch._dynamo.assume_constant_result
-def _settings_code() -> str:
-    """The current kernel settings, read when dynamo traces (they live in a ContextVar, which
-    dynamo does not trace)."""
-    s = kernels.settings()
-    return f"{s.choice.value},{int(s.fused)},{int(s.warp_specialized)}"
-
-
-@functools.lru_cache(maxsize=256)
-def _decode(key: str) -> tuple[Options, torch.dtype | None, kernels.KernelSettings]:
-    literal, amp, settings = key.rsplit("|", 2)
-    values = dict(zip(OPTION_NAMES, ast.literal_eval(literal)))
-    if values["policy"] is not None:
-        values["policy"] = ChunkPolicy(**dict(zip(_POLICY_FIELDS, values["policy"])))
-    for name in _DTYPES:
-        if values[name] is not None:
-            values[name] = getattr(torch, values[name])
-    dtype = None if amp == "None" else getattr(torch, amp.removeprefix("torch."))
-    choice, fused, ws = settings.split(",")
-    return Options(**values), dtype, kernels.KernelSettings(choice, fused == "1", ws == "1")
-
-
-@contextlib.contextmanager
-def _as_traced(key: str, device: torch.device):
-    """The settings and autocast state that dynamo saw, for the front door (the graph may run
-    without them: Inductor does not re-enter the autocast region around an op)."""
-    _, amp, s = _decode(key)
-    kind = device.type
-    if amp is not None:
-        autocast = torch.autocast(kind, dtype=amp)
-    elif torch.is_autocast_enabled(kind):
-        autocast = torch.autocast(kind, enabled=False)
-    else:
-        autocast = contextlib.nullcontext()
-    with kernels.use(s.choice, fused=s.fused, warp_specialized=s.warp_specialized), autocast:
-        yield
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,6 +171,8 @@ def _static(t):
     to its input shapes (a new shape is a recompile), dynamic shapes or not."""
     if t is None or not any(isinstance(s, torch.SymInt) for s in (*t.shape, *t.stride(), t.storage_offset())):
         return t
+    from torch.fx.experimental.symbolic_shapes import guard_int  # (sympy: imported where a graph is traced)
+
     return torch.empty_strided([guard_int(s) for s in t.shape], [guard_int(s) for s in t.stride()], dtype=t.dtype,
                                device=t.device)
 
@@ -247,20 +184,22 @@ def _placed(present: list, given) -> list:
 
 
 def _forward(name: str, key: str, need: list, inputs: list, count, *, fake: bool) -> list:
+    from .graph_key import as_traced, decode
+
     op = _op(name)
     if fake:
         inputs, count = [_static(t) for t in inputs], _static(count)
     try:
-        options = _decode(key)[0]
+        options = decode(key)[0]
         if count is not None:
             options = replace(options, num_valid_tokens=count)
-        with torch.no_grad(), _as_traced(key, inputs[0].device):
+        with torch.no_grad(), as_traced(key, inputs[0].device):
             args, _ = op.start(list(inputs), op=name, group=None, options=options)
     except (ValueError, TypeError):
         if not fake:
             raise
         return _refused(op, key, inputs)
-    with torch.no_grad(), _as_traced(key, inputs[0].device):
+    with torch.no_grad(), as_traced(key, inputs[0].device):
         ctx = Ctx(tuple(j is not None and need[j] for j in op.grad_of))
         out = op.function.forward(ctx, *args)
     out = list(out) if isinstance(out, tuple) else [out]
@@ -277,7 +216,9 @@ def _refused(op: _Op, key: str, inputs: list) -> list:
     """The fake outputs of a call its front door refuses: what the graph needs to be traced on
     (``op.outputs`` tensors, per token for ``reduction="none"`` and the log-prob ops, else scalars),
     no state. The real run's front door raises the error eager raises, before any output is read."""
-    reduction = ast.literal_eval(key.rsplit("|", 2)[0])[OPTION_NAMES.index("reduction")]
+    from .graph_key import reduction_of
+
+    reduction = reduction_of(key)
     target = inputs[op.target]
     tokens = target if target is not None else inputs[0][..., 0]
     per_token = reduction == "none" or op.function.__name__.endswith("Logprobs")

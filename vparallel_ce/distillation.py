@@ -103,7 +103,7 @@ def distillation_loss(
 
 # under torch.compile reached only for an input the graph does not take (an unknown tail mode):
 # then eager, between two graphs
-@torch.compiler.disable
+@compiled.run_eagerly
 def _eager(student_logits, teacher_logits, target, group, options: Options):
     args, shape = _start(student_logits, teacher_logits, target, group=group, options=options)
     return _Distillation.apply(*args), shape

@@ -132,7 +132,7 @@ def linear_distillation_loss(
 
 # under torch.compile reached only for an input the graph does not take (an unknown tail mode):
 # then eager, between two graphs
-@torch.compiler.disable
+@compiled.run_eagerly
 def _eager(student: tuple, teacher: tuple, group, options: Options):
     args, shape, inp = _start(student, teacher, group=group, options=options, compact=True)
     h, w, b, target, source, target_given, _, call = args

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from . import comm, top1
+from . import comm, compiled, top1
 from .autocast import autocast_off
 from .call import Call, linear_call, settles_check
 from .chunk_walk import Grads, KeptLogits, Schedule, scale_valid_unit_grads
@@ -130,7 +130,7 @@ def linear_mtp_loss(
 
 
 # under torch.compile: a graph break, the op runs eagerly (its front door reads values on the host)
-@torch.compiler.disable
+@compiled.run_eagerly
 def _linear_mtp_loss(hiddens, weight, labels, bias, mtp_scale, positions, group, num_valid_tokens, reduction,
                      sequence_parallel, vocab_size, ignore_index, chunks, schedule, recompute, policy, check,
                      check_replicated, logits_dtype) -> MTPOutput:
