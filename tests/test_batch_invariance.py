@@ -205,11 +205,11 @@ def test_tiles_and_chunks_of_whole_tiles():
 
 
 def test_the_option_survives_the_compiled_key():
-    from vparallel_ce import compiled
+    from vparallel_ce.graph_key import decode, key_of
     from vparallel_ce.options import Options
 
     options = Options(reduction="none", batch_invariant=True)
-    assert compiled._decode(compiled._key(options, None))[0] == options
+    assert decode(key_of(options, None))[0] == options
 
 
 def test_plan_recomputes_token_chunks_whatever_the_arguments():

@@ -460,7 +460,8 @@ def test_the_chunk_policy_counts_both_models_working_set():
 
 def test_triton_row_passes_count_only_the_logits_gradient_as_a_temporary():
     # a dense teacher's local passes as Triton kernels make no fp32 copies: D = 1, so fewer chunks
-    from vparallel_ce.policy import ChunkPolicy, DistillShape, distillation_chunk_bytes, local_vocab
+    from vparallel_ce.plan import DistillShape, distillation_chunk_bytes, local_vocab
+    from vparallel_ce.policy import ChunkPolicy
 
     policy = ChunkPolicy(budget_bytes=64 * 2**20)
     n, v, tp, c = 4096, 32000, 2, 100
