@@ -33,7 +33,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor import DTensor
 
 import demo_model as llama  # launch/ is sys.path[0] when this file runs as a script
@@ -191,6 +190,9 @@ def train(args, cfg, mesh, device, dtype) -> tuple[float, float]:
     loss_fn = PipelineLoss(make_loss_sum(args, mesh["tp"]))
     schedule = None
     if args.pp > 1:  # every stage gets the loss: a schedule without one runs no backward
+        # (imported here: the pipelining package imports torch._dynamo, a second or two per rank)
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
         schedule = Schedule1F1B(PipelineStage(stage, pp_rank, args.pp, device, group=pp_group),
                                 n_microbatches=args.microbatches, loss_fn=loss_fn, scale_grads=False)
     rows = slice(dp_rank * args.batch_size // args.dp, (dp_rank + 1) * args.batch_size // args.dp)
