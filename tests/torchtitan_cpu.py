@@ -136,6 +136,24 @@ def debugmodel():
     return config
 
 
+def deepseek_v3_mtp_debugmodel():
+    """``--config deepseek_v3_mtp_debugmodel``: torchtitan's ``deepseek_v3_debugmodel_mtp`` (its debug
+    DeepSeek-V3 with one MTP depth and its ``MTPLoss``), cut to its first two layers (the dense one
+    and a MoE one) and with :func:`debugmodel`'s SDPA attention, fp32 parameters and no activation
+    checkpointing."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel_mtp
+
+    config = deepseek_v3_debugmodel_mtp()
+    model = config.model_spec.model
+    model.layers = model.layers[:2]
+    for layer in (*model.layers, *model.mtp_layers):
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config.activation_checkpoint = None
+    config.training.mixed_precision_param = "float32"
+    return config
+
+
 def runs(argv: list[str]) -> list[list[str]]:
     """``common --and a --and b`` -> ``[common + a, common + b]`` (``[common]`` without ``--and``)."""
     groups, current = [], []
