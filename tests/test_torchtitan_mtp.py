@@ -6,14 +6,18 @@ attention): torchtitan's model with its ``MTPLoss`` on the logits against
 the loss and the gradient of every parameter at step 1, with packed documents and ignored labels,
 and the validation sum. Then torchtitan's trainer (tests/torchtitan_cpu.py) on its
 ``deepseek_v3_debugmodel_mtp`` config at world 1, once with its ``MTPLoss`` and once with ours
-selected by ``--override.imports``: the same loss and grad-norm curves.
+selected by ``--override.imports``: the same loss and grad-norm curves. With
+``VPARALLEL_CE_TORCHTITAN_WORLD2=1`` the same at world 2 under FSDP and TP (two to three minutes on
+two cores: outside CI's time budget, so opt-in).
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from tests.test_torchtitan import assets, assert_same_curves, needs_titan, train  # noqa: F401 (assets: a fixture)
+from tests.test_torchtitan import MULTI_RANK, assets, assert_same_curves, needs_titan, train  # noqa: F401 (assets: a fixture)
 
 OVERRIDES = "vparallel_ce.integrations.torchtitan.overrides"
 FUSED_MTP = ("--override.imports", f"{OVERRIDES}.vparallel_linear_mtp",
@@ -126,3 +130,25 @@ def test_trainer_gives_torchtitans_mtp_curves(assets, tmp_path):  # noqa: F811 (
     runs = {"torchtitan": (), "fused MTP": FUSED_MTP}
     curves = train(assets, tmp_path, 1, (), runs, config="deepseek_v3_mtp_debugmodel", steps=3)
     assert_same_curves(curves, max_loss=15.0)
+
+
+FSDP = (*MULTI_RANK, "--parallelism.data_parallel_shard_degree", "2", "--parallelism.fsdp_reshard_after_forward",
+        "always")
+TP = (*MULTI_RANK, "--parallelism.tensor_parallel_degree", "2")
+
+
+@needs_titan
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("VPARALLEL_CE_TORCHTITAN_WORLD2") != "1",
+                    reason="opt-in (VPARALLEL_CE_TORCHTITAN_WORLD2=1): minutes of world-2 trainer runs")
+def test_fsdp_and_tp_at_world_2_give_torchtitans_mtp_curves(assets, tmp_path):  # noqa: F811
+    """FSDP dp2 resharding after every forward (the fused loss unshards the lm_head's group), and
+    TP 2 with sequence parallelism (a Shard(0) lm_head weight, Replicate hidden states), each
+    against its own torchtitan MTPLoss run, in one pair of processes."""
+    layouts = {"FSDP dp2": FSDP, "TP 2": TP}
+    runs = {f"{layout}: {name}": (*flags, *extra) for layout, flags in layouts.items()
+            for name, extra in (("torchtitan", ()), ("fused MTP", FUSED_MTP))}
+    curves = train(assets, tmp_path, 2, (), runs, config="deepseek_v3_mtp_debugmodel", steps=3)
+    for layout in layouts:
+        assert_same_curves({name: c for name, c in curves.items() if name.startswith(layout)},
+                           baseline=f"{layout}: torchtitan", max_loss=15.0)
