@@ -15,9 +15,9 @@ use plain sums, since gloo has no PREMUL_SUM (FSDP uses it for torchtitan's divi
 gives ``torch.distributed`` the ``set_timeout`` that torchtitan 0.3.0 calls after the first step
 (torch 2.13 has it only on process groups), lets torch 2.13's pipeline schedules take the
 microbatches torchtitan 0.3.0 splits itself, and skips the trainer's 2-second sleep after its last
-step (a pause for other ranks' logs). :func:`debugmodel` is the config the tests train. Nothing
-else changes: the trainer, the losses and the log lines are torchtitan's. Test helper only; not
-part of the library.
+step (a pause for other ranks' logs). :func:`debugmodel` and :func:`deepseek_v3_mtp_debugmodel` are
+the configs the tests train. Nothing else changes: the trainer, the losses and the log lines are
+torchtitan's. Test helper only; not part of the library.
 """
 
 from __future__ import annotations
