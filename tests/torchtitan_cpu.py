@@ -15,9 +15,9 @@ use plain sums, since gloo has no PREMUL_SUM (FSDP uses it for torchtitan's divi
 gives ``torch.distributed`` the ``set_timeout`` that torchtitan 0.3.0 calls after the first step
 (torch 2.13 has it only on process groups), lets torch 2.13's pipeline schedules take the
 microbatches torchtitan 0.3.0 splits itself, and skips the trainer's 2-second sleep after its last
-step (a pause for other ranks' logs). :func:`debugmodel` is the config the tests train. Nothing
-else changes: the trainer, the losses and the log lines are torchtitan's. Test helper only; not
-part of the library.
+step (a pause for other ranks' logs). :func:`debugmodel` and :func:`deepseek_v3_mtp_debugmodel` are
+the configs the tests train. Nothing else changes: the trainer, the losses and the log lines are
+torchtitan's. Test helper only; not part of the library.
 """
 
 from __future__ import annotations
@@ -130,6 +130,24 @@ def debugmodel():
 
     config = llama3_debugmodel_ce_loss()
     for layer in config.model_spec.model.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    config.activation_checkpoint = None
+    config.training.mixed_precision_param = "float32"
+    return config
+
+
+def deepseek_v3_mtp_debugmodel():
+    """``--config deepseek_v3_mtp_debugmodel``: torchtitan's ``deepseek_v3_debugmodel_mtp`` (its debug
+    DeepSeek-V3 with one MTP depth and its ``MTPLoss``), cut to its first two layers (the dense one
+    and a MoE one) and with :func:`debugmodel`'s SDPA attention, fp32 parameters and no activation
+    checkpointing."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel_mtp
+
+    config = deepseek_v3_debugmodel_mtp()
+    model = config.model_spec.model
+    model.layers = model.layers[:2]
+    for layer in (*model.layers, *model.mtp_layers):
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     config.activation_checkpoint = None
     config.training.mixed_precision_param = "float32"

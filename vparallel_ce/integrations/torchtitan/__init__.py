@@ -9,7 +9,11 @@ torchtitan 0.3 builds every component from a ``Configurable`` config, the traine
 * :class:`VParallelLinearCrossEntropyLoss` -- in place of torchtitan's ``ChunkedLossWrapper`` (a
   subclass, which torchtitan's trainer wires the same way): the lm_head fused into
   :func:`vparallel_ce.linear_cross_entropy`, chunked by vparallel_ce's policy instead of a fixed
-  count, no logits (:mod:`.linear`).
+  count, no logits (:mod:`.linear`);
+* :class:`VParallelLinearMTPLoss` -- in place of torchtitan's ``MTPLoss`` for DeepSeek-V3's
+  multi-token prediction: the lm_head fused into :func:`vparallel_ce.linear_mtp_loss` for the main
+  head and every MTP depth (:mod:`.mtp`), with :class:`VParallelDeepSeekV3Model`, which hands the
+  loss the heads' hidden states (:mod:`.deepseek_v3`); :func:`fused_mtp` selects both.
 
 Both honour torchtitan's ``global_valid_tokens`` (the loss is the token sum divided by the step's
 global valid-token count), its loss parallelism (TP on: the vocab stays sharded, under the
@@ -59,7 +63,9 @@ def _check_version() -> str:
 TORCHTITAN_VERSION = _check_version()
 
 from .cross_entropy import VParallelCrossEntropyLoss  # noqa: E402  (after the version check)
+from .deepseek_v3 import VParallelDeepSeekV3Model  # noqa: E402
 from .linear import VParallelLinearCrossEntropyLoss  # noqa: E402
+from .mtp import VParallelLinearMTPLoss, fused_mtp  # noqa: E402
 
 __all__ = ["SUPPORTED_VERSIONS", "TORCHTITAN_VERSION", "VParallelCrossEntropyLoss",
-           "VParallelLinearCrossEntropyLoss"]
+           "VParallelLinearCrossEntropyLoss", "VParallelLinearMTPLoss", "VParallelDeepSeekV3Model", "fused_mtp"]

@@ -25,7 +25,7 @@ from torchtitan.tools.logging import logger
 
 import vparallel_ce
 
-from .options import common_options, policy, reduction
+from .options import common_options, policy, reduction, smoothing_options
 from .tensor_parallel import check_backend, tp_group
 
 __all__ = ["VParallelCrossEntropyLoss"]
@@ -53,7 +53,7 @@ class VParallelCrossEntropyLoss(CrossEntropyLoss):
 
     def __init__(self, config: Config, *, compile_config: CompileConfig | None = None):
         super().__init__(config, compile_config=None)
-        opts = {**common_options(config), "policy": policy(budget_mib=config.budget_mib),
+        opts = {**common_options(config), **smoothing_options(config), "policy": policy(budget_mib=config.budget_mib),
                 "ignore_index": IGNORE_INDEX}
         # build_loss_fn checks every option now, so a bad value raises when torchtitan builds the loss
         self.options = vparallel_ce.build_loss_fn("chunked", **opts).options

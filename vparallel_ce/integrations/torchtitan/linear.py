@@ -41,51 +41,57 @@ from torchtitan.tools.logging import logger
 import vparallel_ce
 from vparallel_ce.policy import ChunkPolicy
 
-from .options import common_options, policy, recompute, reduction
+from .options import common_options, fused_options, reduction, smoothing_options
 from .tensor_parallel import check_backend, hidden_grad_for_decoder, tp_group
 
-__all__ = ["VParallelLinearCrossEntropyLoss"]
+__all__ = ["VParallelLinearCrossEntropyLoss", "FusedConfig", "fused_call"]
+
+
+@dataclass(kw_only=True, slots=True)
+class FusedConfig(ChunkedLossWrapper.Config):
+    """The fields of a fused loss in ``ChunkedLossWrapper``'s place. ``loss_fn`` is the loss the
+    fused op computes (it gives ``global_vocab_size``); ``num_chunks`` (``ChunkedLossWrapper``'s
+    fixed count) is not read: ``chunks`` is."""
+
+    chunks: int | str = "auto"
+    """Token chunks (vocab blocks for schedule="vocab"): "auto" (the policy sizes them from the
+    tokens, the local vocab and the budget, and may pick the vocab schedule) or an int."""
+
+    schedule: str = "auto"
+    """"token" (chunks of tokens x the whole shard), "vocab" (blocks of the vocab over all tokens,
+    the memory floor) or "auto"."""
+
+    recompute: bool | str = "auto"
+    """True recomputes the logits in the gradient pass, False keeps them from the statistics
+    pass where it can, "auto" lets the policy decide."""
+
+    budget_mib: float = 0.0
+    """chunks="auto": bound on one chunk's fp32 logits in MiB (0: the library default)."""
+
+    memory_mib: float = 0.0
+    """chunks="auto": a target in MiB for the loss's whole peak, the hidden and weight
+    gradients included (ChunkPolicy.memory_bytes); 0: none."""
+
+    check: bool = True
+    """Check shard sizes, options and target ids across the TP group on every call (one host sync)."""
+
+    @property
+    def global_vocab_size(self) -> int | None:
+        return self.loss_fn.global_vocab_size
 
 
 class VParallelLinearCrossEntropyLoss(ChunkedLossWrapper):
     """The fused lm_head + cross-entropy (see the module docstring)."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(ChunkedLossWrapper.Config):
-        """``loss_fn`` must stay a ``CrossEntropyLoss.Config``; its ``global_vocab_size`` is the
-        vocab's. ``num_chunks`` (``ChunkedLossWrapper``'s fixed count) is not read: ``chunks`` is."""
-
-        chunks: int | str = "auto"
-        """Token chunks (vocab blocks for schedule="vocab"): "auto" (the policy sizes them from the
-        tokens, the local vocab and the budget, and may pick the vocab schedule) or an int."""
-
-        schedule: str = "auto"
-        """"token" (chunks of tokens x the whole shard), "vocab" (blocks of the vocab over all tokens,
-        the memory floor) or "auto"."""
-
-        recompute: bool | str = "auto"
-        """True recomputes the logits in the gradient pass, False keeps them from the statistics
-        pass where it can, "auto" lets the policy decide."""
-
-        budget_mib: float = 0.0
-        """chunks="auto": bound on one chunk's fp32 logits in MiB (0: the library default)."""
-
-        memory_mib: float = 0.0
-        """chunks="auto": a target in MiB for the loss's whole peak, the hidden and weight
-        gradients included (ChunkPolicy.memory_bytes); 0: none."""
+    class Config(FusedConfig):
+        """``loss_fn`` must stay a ``CrossEntropyLoss.Config``; its ``global_vocab_size`` is the vocab's."""
 
         label_smoothing: float = 0.0
         """Label smoothing over the global vocab (0: none, as torchtitan's loss)."""
 
         z_loss: float = 0.0
         """Coefficient of the z-loss (logsumexp**2) term (0: none)."""
-
-        check: bool = True
-        """Check shard sizes, options and target ids across the TP group on every call (one host sync)."""
-
-        @property
-        def global_vocab_size(self) -> int | None:
-            return self.loss_fn.global_vocab_size
 
     def __init__(self, config: Config, *, compile_config: CompileConfig | None = None):
         if not isinstance(config.loss_fn, CrossEntropyLoss.Config):
@@ -94,9 +100,8 @@ class VParallelLinearCrossEntropyLoss(ChunkedLossWrapper):
                 f"CrossEntropyLoss.Config (which gives global_vocab_size), got {type(config.loss_fn).__qualname__}"
             )
         super().__init__(config)
-        opts = {**common_options(config), "schedule": str(config.schedule).strip().lower(),
-                "recompute": recompute(config.recompute), "ignore_index": IGNORE_INDEX,
-                "policy": policy(budget_mib=config.budget_mib, memory_mib=config.memory_mib)}
+        opts = {**common_options(config), **smoothing_options(config), **fused_options(config),
+                "ignore_index": IGNORE_INDEX}
         # build_loss_fn checks every option now, so a bad value raises when torchtitan builds the loss
         self.options = vparallel_ce.build_loss_fn("fused", **opts).options
         self.fn = self._loss
@@ -122,23 +127,39 @@ class VParallelLinearCrossEntropyLoss(ChunkedLossWrapper):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         del kwargs  # per-token extras (positions) that a cross-entropy does not use
-        lm_head = self.lm_head
-        if lm_head is None:
-            raise RuntimeError("VParallelLinearCrossEntropyLoss needs set_lm_head(model.lm_head) before its first "
-                               "call (torchtitan's trainer calls it for a ChunkedLossWrapper loss)")
-        check_backend(labels, type(self).__name__)
-        if isinstance(lm_head, FSDPModule):
-            lm_head.unshard()  # the unsharded weight; resharded by the group's post-backward
-        weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
-        group = tp_group(pred, weight)
-        if not pred.requires_grad:  # validation: forward only
-            with torch.no_grad():
-                return self.fn(pred, weight, bias, labels, global_valid_tokens, group), {}
-        hidden = pred.detach().requires_grad_()
-        loss = self.fn(hidden, weight, bias, labels, global_valid_tokens, group)
-        loss.backward()
-        grad = hidden_grad_for_decoder(hidden.grad, group)
-        return self._gradient_backprop(pred, grad, loss.detach(), lm_head, isinstance(lm_head, FSDPModule)), {}
+
+        def compute(hidden, weight, bias, group):
+            return self.fn(hidden, weight, bias, labels, global_valid_tokens, group)
+
+        return fused_call(self, pred, labels, compute), {}
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+
+
+def fused_call(loss: ChunkedLossWrapper, pred: torch.Tensor, labels: torch.Tensor, compute) -> torch.Tensor:
+    """One call of a fused loss in ``ChunkedLossWrapper``'s place (steps 1-3 of the module docstring).
+
+    ``compute(hidden, weight, bias, group)`` is the op on the lm_head's hidden states ``pred``
+    (``[B, S, H]``, or any stack of them: the MTP heads') and its weight. Returns the loss torchtitan's
+    trainer (or the pipeline schedule) calls ``backward()`` on; without a gradient (validation) the
+    op's value, forward only."""
+    lm_head = loss.lm_head
+    name = type(loss).__name__
+    if lm_head is None:
+        raise RuntimeError(f"{name} needs set_lm_head(model.lm_head) before its first call (torchtitan's trainer "
+                           "calls it for a ChunkedLossWrapper loss)")
+    check_backend(labels, name)
+    fsdp = isinstance(lm_head, FSDPModule)
+    if fsdp:
+        lm_head.unshard()  # the unsharded weight; resharded by the group's post-backward
+    weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
+    group = tp_group(pred, weight)
+    if not pred.requires_grad:  # validation: forward only
+        with torch.no_grad():
+            return compute(pred, weight, bias, group)
+    hidden = pred.detach().requires_grad_()
+    value = compute(hidden, weight, bias, group)
+    value.backward()
+    grad = hidden_grad_for_decoder(hidden.grad, group)
+    return loss._gradient_backprop(pred, grad, value.detach(), lm_head, fsdp)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from vparallel_ce.policy import ChunkPolicy
 
-__all__ = ["chunks", "recompute", "policy", "common_options"]
+__all__ = ["chunks", "recompute", "policy", "common_options", "smoothing_options", "fused_options", "reduction"]
 
 
 def chunks(value: int | str) -> int | str:
@@ -49,12 +49,21 @@ def policy(*, budget_mib: float, memory_mib: float = 0.0) -> ChunkPolicy:
 
 
 def common_options(config) -> dict:
-    """The options both losses share, from their config. The ops run with ``reduction="mean"`` over
-    torchtitan's ``global_valid_tokens`` (``num_valid_tokens``), or ``"sum"`` without it: the same
-    two results torchtitan's own ``CrossEntropyLoss`` gives."""
-    return {"chunks": chunks(config.chunks), "label_smoothing": float(config.label_smoothing),
-            "z_loss": float(config.z_loss), "check": bool(config.check),
-            "vocab_size": config.global_vocab_size}
+    """The options every loss here shares, from its config. The ops run with ``reduction="mean"``
+    over torchtitan's ``global_valid_tokens`` (``num_valid_tokens``), or ``"sum"`` without it: the
+    same two results torchtitan's own losses give."""
+    return {"chunks": chunks(config.chunks), "check": bool(config.check), "vocab_size": config.global_vocab_size}
+
+
+def smoothing_options(config) -> dict:
+    """The cross-entropies' extra terms (the MTP loss has none)."""
+    return {"label_smoothing": float(config.label_smoothing), "z_loss": float(config.z_loss)}
+
+
+def fused_options(config) -> dict:
+    """The fused ops' options: schedule, recompute and the policy's two budgets."""
+    return {"schedule": str(config.schedule).strip().lower(), "recompute": recompute(config.recompute),
+            "policy": policy(budget_mib=config.budget_mib, memory_mib=config.memory_mib)}
 
 
 def reduction(global_valid_tokens) -> str:
