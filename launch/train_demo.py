@@ -237,7 +237,9 @@ def check(args, cfg, device, dtype, got: float, got_norm: float) -> str:
 
 def main() -> int:
     if "RANK" not in os.environ:  # plain `python launch/train_demo.py`: a group of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+        os.environ.update(RANK="0", WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
     args = parse_args(int(os.environ["WORLD_SIZE"]))
     cfg = llama.CONFIGS[args.model]
     cuda = torch.cuda.is_available()

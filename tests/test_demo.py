@@ -1,4 +1,4 @@
-"""End-to-end checks of launch/train_demo.py through torchrun (CPU, gloo).
+"""End-to-end checks of launch/train_demo.py (CPU, gloo), through torchrun but for the one-process reference.
 
 Every run trains the tiny model for a few steps on short sequences, prints ``step: N  loss: X``
 lines and ends with its own verdict: step 1 of the parallel run against the same model and batch in
@@ -6,8 +6,10 @@ one process with plain ``F.cross_entropy`` (loss and gradient norm), ``OK`` or `
 tests check that verdict and compare the curves:
 
 * the README's command (DP2 x TP2 x PP2, the fused loss) and the chunked loss with sequence parallel
-  (TP2 x PP2) give OK and the curve of DP2 with the naive loss (full logits + ``F.cross_entropy``),
-* two "nodes" on loopback (launch/cluster/multinode.sh) meet through the c10d rendezvous and agree,
+  (TP2 x PP2) give OK and the curve of one process with the naive loss (full logits +
+  ``F.cross_entropy``),
+* two "nodes" on loopback (launch/cluster/multinode.sh, one process each) meet through the c10d
+  rendezvous, train one TP2 job across them and agree,
 * a layout that does not fit the world size exits non-zero with its message.
 
 The demo runs as a script (as the README runs it); nothing is imported from it.
@@ -15,6 +17,8 @@ The demo runs as a script (as the README runs it); nothing is imported from it.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import re
 import socket
@@ -92,17 +96,36 @@ def assert_same_curve(got: dict[int, float], want: dict[int, float], rel: float 
         assert got[step] == pytest.approx(want[step], rel=rel), f"step {step}: {got} vs {want}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> dict[int, float]:
-    """DP2, naive loss (full logits + F.cross_entropy): the curve everything must match."""
-    curve = train(tmp_path_factory.mktemp("ref"), 2, "--dp", "2", "--loss", "naive")
+    """One process (plain ``python``: a group of one), naive loss (full logits + F.cross_entropy): the
+    curve every layout must match. Run once per test session: under pytest-xdist the first worker to
+    need it runs it and the others read its curve (a file in the run's shared temporary directory,
+    under a lock)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return _reference_curve(tmp_path_factory.mktemp("ref"))
+    shared = tmp_path_factory.getbasetemp().parent  # this run's directory, above every worker's own
+    with open(shared / "demo_reference.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        saved = shared / "demo_reference.json"
+        if not saved.exists():
+            saved.write_text(json.dumps(_reference_curve(tmp_path_factory.mktemp("ref"))))
+        return {int(step): loss for step, loss in json.loads(saved.read_text()).items()}
+
+
+def _reference_curve(tmp: Path) -> dict[int, float]:
+    proc = run([sys.executable, str(DEMO), *COMMON, "--dp", "1", "--loss", "naive"], cwd=tmp,
+               MASTER_PORT=str(free_port()))
+    assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert_ok(proc.stdout)
+    curve = parse_losses(proc.stdout)
     assert all(0 < v < 10 for v in curve.values()), curve
     return curve
 
 
 @pytest.mark.parametrize("nproc, extra", [(8, []), (4, ["--dp", "1", "--tp", "2", "--pp", "2", "--loss", "chunked",
                                                              "--sp"])], ids=["readme-dp2-tp2-pp2-fused", "tp2-pp2-chunked-sp"])
-def test_parallel_layouts_match_dp2(tmp_path, reference, nproc, extra):
+def test_parallel_layouts_match_one_process(tmp_path, reference, nproc, extra):
     """8 ranks with no layout flags: the README's DP2 x TP2 x PP2 with the fused loss; the chunked
     loss with sequence parallelism on TP2 x PP2 (4 ranks: DP is covered by the README's layout and
     the two nodes)."""
@@ -110,11 +133,12 @@ def test_parallel_layouts_match_dp2(tmp_path, reference, nproc, extra):
 
 
 def test_two_nodes_on_loopback(tmp_path, reference):
-    """2 "nodes" x 2 processes, each started by launch/cluster/multinode.sh, meet through the c10d
-    rendezvous on 127.0.0.1 and train one DP2 x TP2 job."""
-    env = {**_cpu_env(), "NNODES": "2", "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
+    """2 "nodes" of one process each, started by launch/cluster/multinode.sh, meet through the c10d
+    rendezvous on 127.0.0.1 and train one job whose TP group spans the nodes (TP2: the fused loss's
+    collectives cross them; DP across processes is the README layout's)."""
+    env = {**_cpu_env(), "NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "RDZV_ID": "loopback-test", "PYTHON": sys.executable}
-    cmd = ["bash", str(MULTINODE), *COMMON, "--dp", "2", "--tp", "2", "--loss", "fused"]
+    cmd = ["bash", str(MULTINODE), *COMMON, "--dp", "1", "--tp", "2", "--loss", "fused"]
     nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=env, text=True, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
     outs = []

@@ -1,9 +1,9 @@
 """The minimal examples in launch/examples/ run on CPU and check themselves (each ends with OK).
 
-tp_cross_entropy.py, grad_accumulation.py (DDP and FSDP2) and distillation.py start their two gloo
-processes themselves (launch/examples/_spawn.py), and also run under torchrun (tp_cross_entropy.py
-is run both ways here); rollout_support.py starts two too; rl_logprobs.py is one process; hf_llama.py is one process and needs
-transformers (skipped without it). Each run has a bounded wall time.
+tp_cross_entropy.py, grad_accumulation.py (DDP and FSDP2), distillation.py and rollout_support.py start
+their two gloo processes themselves (launch/examples/_spawn.py), or run as torchrun's ranks
+(grad_accumulation.py is run that way here, the others start their own); rl_logprobs.py and
+hf_llama.py are one process each (hf_llama.py needs transformers: skipped without it). Each run has a bounded wall time.
 """
 
 from __future__ import annotations
@@ -38,13 +38,12 @@ def _free_port() -> int:
 
 @pytest.mark.parametrize("cmd", [
     ["tp_cross_entropy.py"],
-    ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "PORT", "tp_cross_entropy.py"],
     ["rl_logprobs.py"],
-    ["grad_accumulation.py"],
+    ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "PORT", "grad_accumulation.py"],
     ["distillation.py"],
     ["hf_llama.py"],
     ["rollout_support.py"],
-], ids=["tp-spawned", "tp-torchrun", "rl", "grad-accumulation", "distillation", "hf-llama", "rollout-support"])
+], ids=["tp", "rl", "grad-accumulation-torchrun", "distillation", "hf-llama", "rollout-support"])
 def test_example_runs_and_checks_itself(tmp_path, cmd):
     if cmd == ["hf_llama.py"]:
         pytest.importorskip("transformers")
