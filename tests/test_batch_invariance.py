@@ -212,13 +212,22 @@ def test_the_option_survives_the_compiled_key():
     assert compiled._decode(compiled._key(options, None))[0] == options
 
 
-def test_plan_recomputes_token_chunks_whatever_the_arguments():
-    plan = vparallel_ce.policy.DEFAULT_POLICY
+def test_plan_walks_token_chunks_and_makes_gradients_in_backward_whatever_the_arguments():
+    """Token chunks always; gradients never made in forward for 1 and scaled after (another rounding
+    of the row); logits kept from forward only where they equal the recomputed ones bit for bit
+    (not with the fused kernels, whose statistics come from the fp32 accumulator)."""
+    policy = vparallel_ce.policy.DEFAULT_POLICY
     from vparallel_ce import invariant
+    from vparallel_ce.policy import GradMode
 
     for n in (1, 300, 100_000):
-        p = invariant.plan(plan, n, 50_000, 2, hidden_size=64, reduction="mean", chunks="auto", logits_dtype=None)
-        assert p.schedule == "token" and p.grad_mode is vparallel_ce.policy.GradMode.RECOMPUTE, p
+        for fused in (False, True):
+            p = invariant.plan(policy, n, 50_000, 2, hidden_size=64, reduction="mean", chunks="auto",
+                               logits_dtype=None, fused=fused)
+            assert p.schedule == "token" and p.grad_mode is not GradMode.IN_FORWARD, (n, fused, p)
+            assert p.grad_mode is GradMode.RECOMPUTE or not fused, (n, p)
+    assert invariant.plan(policy, 1, 50_000, 2, hidden_size=64, reduction="mean", chunks="auto",
+                          logits_dtype=None).grad_mode is GradMode.FROM_KEPT_LOGITS
 
 
 # sequence parallelism at TP 3: (tokens on each rank, the rank holding the studied row, its

@@ -142,8 +142,11 @@ class Grads:
         need_h, need_w, need_b = need
         lay = rows.call.layout
         self.dtypes = (h.dtype, w.dtype, None if b is None else b.dtype)
-        # batch invariant: one path whatever the chunk count (fp32 sums, dh by tiles, rank-ordered)
+        # batch invariant: one path whatever the chunk count (fp32 sums, dh by rows, rank-ordered)
         self.invariant = rows.call.batch_invariant
+        if self.invariant:  # dh += dx W_b, a row's sum over the vocab from its own row alone
+            fixed = invariant.ops_for(w, rows.call.kernels, rows.call.matmul_dtype).row_gemm
+            self.add_dh = fixed.add_rows_mm_ if fixed is not None else _add_dh_by_tiles
         # (sequence parallelism implies a sharded vocab: its gathered rows are summed over the group)
         self.dh_direct = len(schedule.blocks) == 1 and not lay.sharded and not self.invariant
         self.kept_hidden = kept_hidden if need_w else None
@@ -181,7 +184,7 @@ class Grads:
             self.db[blk] += dx.to(self.db.dtype).sum(0)
         dx = matmul_operand(dx, h_c.dtype)
         if dh_rows is not None and self.invariant:
-            invariant.add_rows_by_tiles(dh_rows, lambda tile: mm_as(tile, w_blk, dh_rows.dtype), dx)
+            self.add_dh(dh_rows, dx, w_blk)
         elif dh_rows is not None:
             mm_into(dh_rows, dx, w_blk, accumulate=not self.dh_direct)
         if self.dw is not None:  # (none with a kept buffer: dx is its rows, dW made at finish)
@@ -209,6 +212,11 @@ class Grads:
             comm.all_reduce_sum_(self.dh, rows.call.layout.group)
         return tuple(g if g is None or g.dtype == dt else g.to(dt)
                      for g, dt in zip((self.dh, self.dw, self.db), self.dtypes))
+
+
+def _add_dh_by_tiles(dh_rows: torch.Tensor, dx: torch.Tensor, w_blk: torch.Tensor) -> None:
+    """``dh_rows += dx w_blk`` one fixed-shape GEMM per tile (the batch-invariant torch path)."""
+    invariant.add_rows_by_tiles(dh_rows, lambda tile: mm_as(tile, w_blk, dh_rows.dtype), dx)
 
 
 @dataclass(frozen=True)
@@ -261,7 +269,8 @@ class Schedule:
         chunk of one block, on a rank holding the whole vocab (no exchange between the statistics
         and the gradient), not sequence parallel; a bias only with a scalar upstream gradient."""
         return (self.keep_logits and self.row_chunks == 1 and len(self.blocks) == 1 and not call.layout.sharded
-                and not call.sequence_parallel and not (b is not None and call.reduction == "none"))
+                and not call.sequence_parallel and not (b is not None and call.reduction == "none")
+                and not call.batch_invariant)  # (its g is applied to dx W, not to dx: another rounding)
 
     @staticmethod
     def fused(ops, call: Call, h_c, w) -> bool:

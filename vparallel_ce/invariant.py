@@ -36,10 +36,10 @@ from dataclasses import replace
 import torch
 
 from . import kernels, stats
-from .policy import ChunkPolicy, Plan
+from .policy import ChunkPolicy, GradMode, Plan
 
 __all__ = ["TILE_ROWS", "VOCAB_BLOCK", "tiles", "tile_of", "block_row_sum", "local_stats", "grad_logits",
-           "rows_by_tiles", "add_rows_by_tiles", "plan", "OPS"]
+           "rows_by_tiles", "add_rows_by_tiles", "plan", "ops_for", "OPS"]
 
 #: Rows of every tile. 128 is the row-block height of the GEMM kernels (cuBLAS/CUTLASS and the
 #: library's Triton kernels tile M by 64 or 128; MKL's micro-kernels by a few rows), so a tile is
@@ -127,19 +127,39 @@ def add_rows_by_tiles(out: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tens
 
 
 def plan(policy: ChunkPolicy, num_tokens: int, vocab_size: int, tp_degree: int, *, hidden_size: int,
-         reduction: str, chunks: int | str, logits_dtype: torch.dtype | None) -> Plan:
+         reduction: str, chunks: int | str, logits_dtype: torch.dtype | None, fused: bool = False) -> Plan:
     """The plan of a batch-invariant linear op: token chunks (of whole tiles, sized by ``chunks`` and
-    the policy as usual) and logits recomputed in backward, whatever ``N``. The default plans switch
-    with ``N`` between paths that round differently (gradients made in forward and scaled after,
-    the whole-vocab one-pass kernel, vocab blocks whose boundaries move with the block count); this
-    mode keeps one. ``schedule`` and ``recompute`` are not the caller's to choose here."""
+    the policy as usual), whose gradients are made in backward, whatever ``N``. The default plans
+    switch with ``N`` between paths that round differently (gradients made in forward for an
+    upstream gradient of 1 and scaled after, the whole-vocab one-pass kernel, vocab blocks whose
+    boundaries move with the block count); this mode keeps one arithmetic. Logits kept from
+    forward are those the backward would recompute, bit for bit (the same GEMM of the same rows),
+    so a chunk may keep them as the policy decides -- except with the ``fused`` GEMM kernels, whose
+    statistics come from the GEMM's fp32 accumulator while kept logits are rounded: those always
+    recompute. ``schedule`` and ``recompute`` are not the caller's to choose here."""
     p = policy.plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, reduction=reduction, chunks=chunks,
-                    schedule="token", recompute=True, fused=False, logits_dtype=logits_dtype)
-    return replace(p, why=p.why + (f"batch_invariant=True: token chunks of whole {TILE_ROWS}-row tiles, torch GEMMs "
-                                   "one tile at a time, logits recomputed in backward",))
+                    schedule="token", recompute=True if fused else None, fused=fused, logits_dtype=logits_dtype)
+    how = "the fused GEMM kernels, logits recomputed in backward" if fused else (
+        "logits kept from forward" if p.keep_logits else "logits recomputed in backward")
+    if p.grad_mode is GradMode.IN_FORWARD:
+        p = replace(p, grad_mode=GradMode.RECOMPUTE)
+    return replace(p, why=p.why + (f"batch_invariant=True: token chunks of whole {TILE_ROWS}-row tiles, gradients "
+                                   f"made in backward ({how})",))
 
 
-#: The per-chunk steps of this mode (:class:`vparallel_ce.kernels.KernelBackend`): the torch
-#: reference, tile by tile. Its plans never make the loss and its gradient in one pass
-#: (``loss_stats_grad_``) nor scale kept gradients (``scale_rows``): they recompute.
-OPS = kernels.KernelBackend("invariant", local_stats, grad_logits, stats.loss_stats_grad_, stats.scale_rows)
+def ops_for(x: torch.Tensor, current: kernels.KernelSettings, dtype: torch.dtype | None = None
+            ) -> kernels.KernelBackend:
+    """This mode's implementation for tensors like ``x`` (in ``dtype``, default ``x``'s) under the
+    call's kernel settings: the fixed-config Triton kernels (:func:`vparallel_ce.kernels.invariant_ops`:
+    bf16/fp16 on a GPU), else :data:`OPS`, the torch path one tile at a time (CPU, fp32/fp64, the
+    ``torch`` choice, a fake tensor)."""
+    if kernels.is_fake(x):
+        return OPS
+    return kernels.invariant_ops(x.device, dtype or x.dtype, current) or OPS
+
+
+#: The per-chunk steps of this mode's torch path (:class:`vparallel_ce.kernels.KernelBackend`): the
+#: torch reference, tile by tile; its GEMMs are :func:`rows_by_tiles` (no ``row_gemm``). Its plans
+#: never make the loss and its gradient in one pass (``loss_stats_grad_``) nor scale gradients made
+#: in forward (``scale_rows``).
+OPS = kernels.KernelBackend("invariant:tiles", local_stats, grad_logits, stats.loss_stats_grad_, stats.scale_rows)
