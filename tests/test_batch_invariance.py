@@ -14,6 +14,9 @@ are not asserted to be.
 
 from __future__ import annotations
 
+import importlib.util
+import textwrap
+
 import pytest
 import torch
 
@@ -32,14 +35,22 @@ RUNS = [((1, 0), 1), ((1, 0), "auto"), ((300, ROW), 1), ((300, ROW), 3), ((300, 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def _batch(n: int, pos: int, row_h, row_t, seed: int):
+def _batch(n: int, pos: int, row_h, row_t, seed: int, vocab: int = V):
     """``n`` random hidden rows and targets with the studied row at ``pos`` (some targets ignored)."""
     g = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, H, generator=g, dtype=torch.float64)
-    t = torch.randint(0, V, (n,), generator=g)
+    h = torch.randn(n, row_h.shape[0], generator=g, dtype=torch.float64)
+    t = torch.randint(0, vocab, (n,), generator=g)
     t[torch.rand(n, generator=g) < 0.2] = -100
     h[pos], t[pos] = row_h, row_t
     return h, t
+
+
+def support_of(t: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each token's sampling set (``support=``): its target and the next three ids, padded with -1;
+    the whole vocabulary (a row of -1) for an ignored token and for a target divisible by 5."""
+    ids = torch.cat([(t.clamp(min=0).unsqueeze(-1) + torch.arange(4)) % vocab, torch.full((t.numel(), 2), -1)], -1)
+    ids[(t == -100) | (t % 5 == 0)] = -1
+    return ids
 
 
 def _ops(rank, world, group, dtype, weight, device):
@@ -77,8 +88,9 @@ def _ops(rank, world, group, dtype, weight, device):
             t = t.to(device)
             ww = w.detach().clone().requires_grad_()
             u = upstream(t)
-            if name == "linear_token_logprobs":
-                lp, ent = vparallel_ce.linear_token_logprobs(hh, ww, t, group=group, with_entropy=True,
+            if name.startswith("linear_token_logprobs"):
+                sets = support_of(t.cpu(), weight.shape[0]).to(device) if name.endswith("support") else None
+                lp, ent = vparallel_ce.linear_token_logprobs(hh, ww, t, group=group, with_entropy=True, support=sets,
                                                              chunks=chunks, batch_invariant=invariant)
                 (lp * u - 0.2 * ent * u).sum().backward()
                 outs = (lp, ent)
@@ -91,7 +103,11 @@ def _ops(rank, world, group, dtype, weight, device):
         return run
 
     return {name: logits_op(name) for name in ("token_logprobs", "cross_entropy")} | {
-        name: linear_op(name) for name in ("linear_token_logprobs", "linear_cross_entropy")}
+        name: linear_op(name) for name in LINEAR_OPS}
+
+
+# the linear ops as the tests name them: the sampling-set path of linear_token_logprobs is the third
+LINEAR_OPS = ("linear_token_logprobs", "linear_cross_entropy", "linear_token_logprobs support")
 
 
 def _reference(name, h, weight, t, pos, round_to=None):
@@ -110,6 +126,12 @@ def _reference(name, h, weight, t, pos, round_to=None):
         loss = torch.nn.functional.cross_entropy(xx[pos : pos + 1], t[pos : pos + 1], label_smoothing=0.1)
         (0.75 * loss).backward()
         return (loss,), xx.grad[pos]
+    if name.endswith("support"):
+        ids = support_of(t[pos : pos + 1], weight.shape[0])[0]
+        logp = torch.log_softmax(x[pos][ids[ids >= 0]], -1)  # the target is the set's first id
+        outs = (logp[0], -(logp.exp() * logp).sum())
+        (0.75 * outs[0] - 0.2 * 0.75 * outs[1]).backward()
+        return outs, hh.grad[pos]
     logp = torch.log_softmax(x[pos], -1)
     if name == "linear_token_logprobs":
         outs = (logp[tok], -(logp.exp() * logp).sum())
@@ -132,21 +154,27 @@ def invariance_rank(rank, world, dtype_name, device="cpu"):
     return failures + _invariance(rank, world, dist.group.WORLD, dtype_name, device)
 
 
-def _invariance(rank, world, group, dtype_name, device="cpu"):
+def _invariance(rank, world, group, dtype_name, device="cpu", *, names=None, runs=RUNS, vocab=V, hidden=H,
+                compare_default=True):
+    """The failures of the ops (``names``: all) in ``runs`` at ``vocab x hidden``: the studied row's
+    outputs and gradient row bitwise equal in every run, right against float64 in the first (and,
+    ``compare_default``, every row close to the default mode's at N=300, chunks=3)."""
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(11)
-    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.4
-    row_h = torch.randn(H, generator=g, dtype=torch.float64)
-    row_t = torch.tensor(321)  # owned by rank 0 at TP 2, rank 0 at TP 3
+    weight = torch.randn(vocab, hidden, generator=g, dtype=torch.float64) * (0.4 if hidden <= 64 else 2.0 / hidden**0.5)
+    row_h = torch.randn(hidden, generator=g, dtype=torch.float64)
+    row_t = torch.tensor(321)  # owned by rank 0 at TP 2, rank 0 at TP 3 (at V=521)
     failures = []
     for name, op in _ops(rank, world, group, dtype, weight, device).items():
+        if names is not None and name not in names:
+            continue
         seen = None
-        for (n, pos), chunks in RUNS:
-            h, t = _batch(n, pos, row_h, row_t, seed=n)
+        for (n, pos), chunks in runs:
+            h, t = _batch(n, pos, row_h, row_t, seed=n, vocab=vocab)
             outs, grad = op(h, t, chunks)
             mine = tuple(o[pos].cpu() for o in outs) + (grad[pos].cpu(),)
             where = f"{name} {dtype_name} TP{world} N={n} pos={pos} chunks={chunks}"
-            if n > 2 * TILE and chunks == 3:  # every row of every tile, padded last one included
+            if compare_default and n > 2 * TILE and chunks == 3:  # every row of every tile, padded last one included
                 default_outs, default_grad = op(h, t, chunks, invariant=False)
                 for i, (got, want) in enumerate(zip((*outs, grad), (*default_outs, default_grad))):
                     err = (got.double() - want.double()).abs().max().item() / want.double().abs().max().item()
@@ -191,6 +219,53 @@ def test_rows_are_bitwise_identical_on_cuda(world, dtype):
     """The same on CUDA tensors (ranks of one GPU, gloo carrying CUDA tensors): cuBLAS picks its
     kernels by shape, so this is where a shape-dependent GEMM would show."""
     _assert_invariant(world, dtype, "cuda")
+
+
+# The kernel path under Triton's interpreter (fp32: the interpreter's bf16 dot is not exact). Its
+# tl.dot is numpy's matmul, whose BLAS sums a product row in an order that depends on the row's
+# position in the block -- a GPU's MMA instruction does not -- so the script gives the interpreter a
+# dot that sums every element's products in K order, and what is checked is that the kernels and
+# their host code let no other row, no row position and no chunking into a row's sums.
+KERNEL_RUNS = [((1, 0), 1), ((150, ROW), 2), ((40, 5), 3)]
+_KERNEL_PATH = textwrap.dedent(
+    r"""
+    import os
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        prod = a.data.astype(np.float32)[:, :, None] * b.data.astype(np.float32)[None, :, :]
+        return interpreter.TensorHandle((prod.sum(axis=1) + d.data).astype(d.data.dtype), d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = dot
+    from vparallel_ce.kernels import row_gemm
+    ran = dict.fromkeys(["logits", "add_rows_mm_", "linear_stats", "grad_logits_for"], 0)
+    for name in ran:  # counted: the mode must run these (its backend is made on first use, after this)
+        def counted(*a, _name=name, _fn=getattr(row_gemm, name), **k):
+            ran[_name] += 1
+            return _fn(*a, **k)
+        setattr(row_gemm, name, counted)
+    from tests import test_batch_invariance as spec
+    failures = spec._invariance(0, 1, None, "float32", names=spec.LINEAR_OPS, runs=spec.KERNEL_RUNS,
+                                compare_default=False)
+    assert not failures, "\n".join(failures)
+    assert all(ran.values()), ran
+    print("FUSED_CHECKS_OK", ran)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_kernel_path_rows_are_bitwise_identical_in_interpreter():
+    """The mode's Triton path (fixed-config GEMMs for the logits and dh, the row passes, the fused
+    kernels of linear_cross_entropy) under the interpreter: the three linear ops at TP 1, a row
+    alone and at two positions of other batches, chunked differently, bitwise equal and right
+    against float64 (V=521: a shard of two aligned parts)."""
+    from tests.test_fused_linear import _interpreted
+
+    _interpreted(_KERNEL_PATH, kernels="triton")
 
 
 def test_tiles_and_chunks_of_whole_tiles():

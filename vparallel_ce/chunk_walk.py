@@ -41,7 +41,7 @@ from .gemm import logits, matmul_operand, mm_as, mm_into
 from .layout import aligned_parts, vocab_blocks
 from .stats import block_targets, combine, local_targets, merge, token_slices
 
-__all__ = ["Rows", "ChunkTargets", "Grads", "Schedule", "KeptLogits", "scale_unit_grads", "scale_valid_unit_grads",
+__all__ = ["Rows", "ChunkTargets", "Grads", "Schedule", "invariant_dh", "sum_dh_over_ranks", "KeptLogits", "scale_unit_grads", "scale_valid_unit_grads",
            "chunk_losses", "cat_parts"]
 
 
@@ -144,9 +144,8 @@ class Grads:
         self.dtypes = (h.dtype, w.dtype, None if b is None else b.dtype)
         # batch invariant: one path whatever the chunk count (fp32 sums, dh by rows, rank-ordered)
         self.invariant = rows.call.batch_invariant
-        if self.invariant:  # dh += dx W_b, a row's sum over the vocab from its own row alone
-            fixed = invariant.ops_for(w, rows.call.kernels, rows.call.matmul_dtype).row_gemm
-            self.add_dh = fixed.add_rows_mm_ if fixed is not None else _add_dh_by_tiles
+        if self.invariant:
+            self.add_dh = invariant_dh(rows.call, w)
         # (sequence parallelism implies a sharded vocab: its gathered rows are summed over the group)
         self.dh_direct = len(schedule.blocks) == 1 and not lay.sharded and not self.invariant
         self.kept_hidden = kept_hidden if need_w else None
@@ -203,20 +202,34 @@ class Grads:
                                   device=self.kept.device)
             mm_into(self.dw, self.kept.t(), self.kept_hidden, accumulate=False)
             self.kept = self.kept_hidden = None
-        sp = rows.call.sequence_parallel  # then dh is this rank's rows, summed by end_chunk
-        if self.dh is not None and self.invariant and rows.call.layout.sharded and not sp:
-            # world x one chunk's rows at a time
-            for sl in rows.local:
-                self.dh[sl] = comm.all_reduce_sum_rank_ordered(self.dh[sl], rows.call.layout.group)
-        elif self.dh is not None and not sp and not self.invariant:
-            comm.all_reduce_sum_(self.dh, rows.call.layout.group)
+        if self.dh is not None and not rows.call.sequence_parallel:  # (else summed by end_chunk)
+            sum_dh_over_ranks(rows, self.dh)
         return tuple(g if g is None or g.dtype == dt else g.to(dt)
                      for g, dt in zip((self.dh, self.dw, self.db), self.dtypes))
 
 
+def invariant_dh(call: Call, w: torch.Tensor):
+    """The batch-invariant ``add(dh_rows, dx, w_blk)``: ``dh_rows += dx w_blk`` (fp32 rows, ``dx``
+    and ``w_blk`` in the matmul dtype), a row's sum over the vocab from its own row of ``dx`` alone
+    -- the fixed-config Triton GEMM, or one torch GEMM per fixed-shape tile."""
+    fixed = invariant.ops_for(w, call.kernels, call.matmul_dtype).row_gemm
+    return fixed.add_rows_mm_ if fixed is not None else _add_dh_by_tiles
+
+
 def _add_dh_by_tiles(dh_rows: torch.Tensor, dx: torch.Tensor, w_blk: torch.Tensor) -> None:
-    """``dh_rows += dx w_blk`` one fixed-shape GEMM per tile (the batch-invariant torch path)."""
     invariant.add_rows_by_tiles(dh_rows, lambda tile: mm_as(tile, w_blk, dh_rows.dtype), dx)
+
+
+def sum_dh_over_ranks(rows: Rows, dh: torch.Tensor) -> None:
+    """A replicated hidden's partial ``dh`` (fp32) summed over the group in place: one all-reduce,
+    or in the batch-invariant mode in rank order, world x one chunk's rows at a time."""
+    lay = rows.call.layout
+    if rows.call.batch_invariant:
+        if lay.sharded:
+            for sl in rows.local:
+                dh[sl] = comm.all_reduce_sum_rank_ordered(dh[sl], lay.group)
+    else:
+        comm.all_reduce_sum_(dh, lay.group)
 
 
 @dataclass(frozen=True)
