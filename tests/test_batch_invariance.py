@@ -240,13 +240,15 @@ _KERNEL_PATH = textwrap.dedent(
 
     interpreter.InterpreterBuilder.create_dot = dot
     from vparallel_ce.kernels import row_gemm
-    ran = dict.fromkeys(["logits", "add_rows_mm_", "linear_stats", "grad_logits_for"], 0)
+    ran = dict.fromkeys(["logits", "add_rows_mm_"], 0)
     for name in ran:  # counted: the mode must run these (its backend is made on first use, after this)
         def counted(*a, _name=name, _fn=getattr(row_gemm, name), **k):
             ran[_name] += 1
             return _fn(*a, **k)
         setattr(row_gemm, name, counted)
     from tests import test_batch_invariance as spec
+    from vparallel_ce import invariant
+    invariant.VOCAB_BLOCK_COLUMNS = 256  # V=521 in three blocks: a row's sums over them in order
     failures = spec._invariance(0, 1, None, "float32", names=spec.LINEAR_OPS, runs=spec.KERNEL_RUNS,
                                 compare_default=False)
     assert not failures, "\n".join(failures)
@@ -259,13 +261,38 @@ _KERNEL_PATH = textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_kernel_path_rows_are_bitwise_identical_in_interpreter():
-    """The mode's Triton path (fixed-config GEMMs for the logits and dh, the row passes, the fused
-    kernels of linear_cross_entropy) under the interpreter: the three linear ops at TP 1, a row
-    alone and at two positions of other batches, chunked differently, bitwise equal and right
-    against float64 (V=521: a shard of two aligned parts)."""
+    """The mode's Triton path (fixed-config GEMMs for the logits and dh, the row passes) under the
+    interpreter: the three linear ops at TP 1 over three vocab blocks, a row alone and at two
+    positions of other batches, chunked differently, bitwise equal and right against float64."""
     from tests.test_fused_linear import _interpreted
 
     _interpreted(_KERNEL_PATH, kernels="triton")
+
+
+def sized_invariance_rank(rank, world, vocab, hidden):
+    """The linear ops in bf16 on CUDA at ``vocab x hidden`` (ranks of one GPU, gloo)."""
+    import torch.distributed as dist
+
+    from vparallel_ce import invariant, kernels
+
+    bf16 = torch.zeros(1, device="cuda", dtype=torch.bfloat16)
+    assert invariant.ops_for(bf16, kernels.settings()).name == "invariant:triton"
+    group = dist.group.WORLD if world > 1 else None
+    return _invariance(rank, world, group, "bfloat16", "cuda", names=LINEAR_OPS, vocab=vocab, hidden=hidden,
+                       compare_default=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("vocab,hidden", [(5003, 512), (18992, 4096)])
+def test_kernel_path_rows_are_bitwise_identical_on_cuda_at_larger_sizes(world, vocab, hidden):
+    """bf16 on a GPU, where the mode runs its Triton path (fixed-config GEMMs for the logits and dh,
+    the row passes): the three linear ops at an odd vocab and at a Qwen3-8B TP=8 shard's size (three
+    vocab blocks), TP 1 and 2."""
+    results = (run_ranks(sized_invariance_rank, world, vocab, hidden) if world > 1
+               else [sized_invariance_rank(0, 1, vocab, hidden)])
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures)
 
 
 def test_tiles_and_chunks_of_whole_tiles():
@@ -287,20 +314,23 @@ def test_the_option_survives_the_compiled_key():
     assert compiled._decode(compiled._key(options, None))[0] == options
 
 
-def test_plan_walks_token_chunks_and_makes_gradients_in_backward_whatever_the_arguments():
-    """Token chunks always; gradients never made in forward for 1 and scaled after (another rounding
-    of the row); logits kept from forward only where they equal the recomputed ones bit for bit
-    (not with the fused kernels, whose statistics come from the fp32 accumulator)."""
-    policy = vparallel_ce.policy.DEFAULT_POLICY
+def test_plan_makes_gradients_in_backward_over_the_same_vocab_blocks_whatever_the_arguments():
+    """Gradients never made in forward for 1 and scaled after (another rounding of a row); token
+    chunks or one chunk of vocab blocks as the policy chooses by N, the blocks a function of the
+    shard's width alone; logits kept from forward where the policy keeps them (one chunk)."""
     from vparallel_ce import invariant
     from vparallel_ce.policy import GradMode
 
-    for n in (1, 300, 100_000):
-        for fused in (False, True):
-            p = invariant.plan(policy, n, 50_000, 2, hidden_size=64, reduction="mean", chunks="auto",
-                               logits_dtype=None, fused=fused)
-            assert p.schedule == "token" and p.grad_mode is not GradMode.IN_FORWARD, (n, fused, p)
-            assert p.grad_mode is GradMode.RECOMPUTE or not fused, (n, p)
+    policy = vparallel_ce.policy.DEFAULT_POLICY
+    seen = set()
+    for n in (1, 300, 8192, 100_000):
+        p = invariant.plan(policy, n, 151_936, 1, hidden_size=4096, reduction="mean", chunks="auto",
+                           logits_dtype=None)
+        assert p.grad_mode is not GradMode.IN_FORWARD, (n, p)
+        seen.add(p.schedule)
+    assert seen == {"token", "vocab"}  # both walks, over the same blocks:
+    assert [(b.start, b.stop) for b in invariant.blocks(151_936)] == [(i * 8064, min((i + 1) * 8064, 151_936))
+                                                                     for i in range(19)]
     assert invariant.plan(policy, 1, 50_000, 2, hidden_size=64, reduction="mean", chunks="auto",
                           logits_dtype=None).grad_mode is GradMode.FROM_KEPT_LOGITS
 

@@ -295,13 +295,9 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
         # fp32 logits come from cuBLAS in two halves of H (gemm._mm_wide): the fused kernels sum
         # all of H in one tensor-core accumulator, which truncates (2.7e-6 log-prob error vs 1.3e-6)
         chosen = replace(chosen, fused=False)
-    if o.batch_invariant is True:  # the mode's kernels (or its torch tiles) decide, by device and dtype alone
-        inv = kernels.invariant_ops(weight.device, matmul, chosen) if problem is None else None
-        fused = (inv is not None and inv.fused is not None
-                 and kernels.fused_takes(entropy=o.with_entropy, temperature=float(o.temperature)))
-    else:
-        fused = problem is None and kernels.fused_applies(weight.device, matmul, entropy=o.with_entropy,
-                                                          temperature=float(o.temperature), current=chosen)
+    # (batch invariant: never the fused kernels, invariant.plan says why)
+    fused = problem is None and not o.batch_invariant and kernels.fused_applies(
+        weight.device, matmul, entropy=o.with_entropy, temperature=float(o.temperature), current=chosen)
 
     def facts(target_checksum):  # made only for a group's exchange
         # replicated hidden states are checked to be so (with sequence parallelism each rank holds
@@ -332,7 +328,7 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
     replan = None
     if o.batch_invariant:
         plan = invariant.plan(policy, sum(counts), lay.vocab_size, lay.world, hidden_size=weight.shape[-1],
-                              reduction=o.reduction, chunks=o.chunks, logits_dtype=logits, fused=fused)
+                              reduction=o.reduction, chunks=o.chunks, logits_dtype=logits)
     else:
         # the plan of any token count (ignored-token compaction plans the rows it keeps): only
         # values, no tensor, so a remembered verdict keeps nothing alive

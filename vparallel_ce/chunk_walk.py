@@ -247,7 +247,11 @@ class Schedule:
     def of(cls, call: Call, *, keep_logits: bool) -> "Schedule":
         """The call's schedule; ``keep_logits``: the statistics step keeps the logits for a gradient
         step (right after it, or in backward: ``Plan.keep_logits``). Vocab blocks never keep them."""
-        if call.plan.schedule == "token":
+        token = call.plan.schedule == "token"
+        if call.batch_invariant:  # the same blocks whatever N (invariant.plan)
+            return cls(call.plan.chunks if token else 1, tuple(invariant.blocks(call.layout.local_size)),
+                       keep_logits=keep_logits and token)
+        if token:
             return cls(call.plan.chunks, tuple(aligned_parts(call.layout.local_size)), keep_logits=keep_logits)
         return cls(1, tuple(vocab_blocks(call.layout.local_size, call.plan.chunks)), keep_logits=False)
 

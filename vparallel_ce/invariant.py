@@ -36,9 +36,11 @@ from dataclasses import replace
 import torch
 
 from . import kernels, stats
+from .layout import vocab_blocks
+from .plan import local_vocab
 from .policy import ChunkPolicy, GradMode, Plan
 
-__all__ = ["TILE_ROWS", "VOCAB_BLOCK", "tiles", "tile_of", "block_row_sum", "local_stats", "grad_logits",
+__all__ = ["TILE_ROWS", "VOCAB_BLOCK", "VOCAB_BLOCK_COLUMNS", "blocks", "tiles", "tile_of", "block_row_sum", "local_stats", "grad_logits",
            "rows_by_tiles", "add_rows_by_tiles", "plan", "ops_for", "OPS"]
 
 #: Rows of every tile. 128 is the row-block height of the GEMM kernels (cuBLAS/CUTLASS and the
@@ -50,6 +52,10 @@ TILE_ROWS = 128
 
 #: Width of the vocab blocks of :func:`block_row_sum`: a multiple of the SIMD and warp widths.
 VOCAB_BLOCK = 256
+
+#: The widest vocab block the linear ops walk (:func:`blocks`): the policy's default
+#: ``block_columns``, the width from which the vocab schedule's time stops falling (docs/policy.md).
+VOCAB_BLOCK_COLUMNS = 8192
 
 
 def tiles(n: int) -> list[slice]:
@@ -126,25 +132,37 @@ def add_rows_by_tiles(out: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tens
         out[sl] += fn(tile_of(x, sl))[: sl.stop - sl.start]
 
 
+def blocks(local_size: int) -> list[slice]:
+    """The vocab blocks this mode walks a ``local_size``-column shard in, whatever ``N``, the plan's
+    schedule or its chunks: ``ceil(local_size / VOCAB_BLOCK_COLUMNS)`` blocks
+    (:func:`vparallel_ce.layout.vocab_blocks`)."""
+    return vocab_blocks(local_size, -(-local_size // VOCAB_BLOCK_COLUMNS))
+
+
 def plan(policy: ChunkPolicy, num_tokens: int, vocab_size: int, tp_degree: int, *, hidden_size: int,
-         reduction: str, chunks: int | str, logits_dtype: torch.dtype | None, fused: bool = False) -> Plan:
-    """The plan of a batch-invariant linear op: token chunks (of whole tiles, sized by ``chunks`` and
-    the policy as usual), whose gradients are made in backward, whatever ``N``. The default plans
-    switch with ``N`` between paths that round differently (gradients made in forward for an
-    upstream gradient of 1 and scaled after, the whole-vocab one-pass kernel, vocab blocks whose
-    boundaries move with the block count); this mode keeps one arithmetic. Logits kept from
-    forward are those the backward would recompute, bit for bit (the same GEMM of the same rows),
-    so a chunk may keep them as the policy decides -- except with the ``fused`` GEMM kernels, whose
-    statistics come from the GEMM's fp32 accumulator while kept logits are rounded: those always
-    recompute. ``schedule`` and ``recompute`` are not the caller's to choose here."""
+         reduction: str, chunks: int | str, logits_dtype: torch.dtype | None) -> Plan:
+    """The plan of a batch-invariant linear op. The policy chooses, by ``N`` as usual, between
+    token chunks (the logits of one chunk kept for the backward where it keeps them) and one chunk
+    over vocab blocks; both walk the vocab in the same :func:`blocks`, merging a row's statistics
+    and summing its ``dh`` over them in their order, so a row's arithmetic is the same in every
+    plan: logits kept from forward are the ones the backward would recompute, bit for bit (the same
+    GEMM of the same row), and no sum crosses rows. What the default plans have and this one has
+    not: gradients made in forward for an upstream gradient of 1 and scaled after, and the
+    whole-vocab one-pass kernel (both round a row's gradient differently), vocab blocks that follow
+    ``N``, and the fused GEMM kernels: their statistics come from the GEMM's fp32 accumulator while
+    kept logits are rounded, so a mode that keeps logits where the policy does (the fastest point,
+    one chunk) cannot also fuse where it recomputes. ``schedule`` and ``recompute`` are not the
+    caller's to choose here."""
     p = policy.plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, reduction=reduction, chunks=chunks,
-                    schedule="token", recompute=True if fused else None, fused=fused, logits_dtype=logits_dtype)
-    how = "the fused GEMM kernels, logits recomputed in backward" if fused else (
-        "logits kept from forward" if p.keep_logits else "logits recomputed in backward")
+                    logits_dtype=logits_dtype)
     if p.grad_mode is GradMode.IN_FORWARD:
         p = replace(p, grad_mode=GradMode.RECOMPUTE)
-    return replace(p, why=p.why + (f"batch_invariant=True: token chunks of whole {TILE_ROWS}-row tiles, gradients "
-                                   f"made in backward ({how})",))
+    k = len(blocks(local_vocab(vocab_size, tp_degree)))
+    if p.schedule == "vocab":
+        p = replace(p, chunks=k)
+    how = "logits kept from forward" if p.keep_logits else "logits recomputed in backward"
+    return replace(p, why=p.why + (f"batch_invariant=True: {k} vocab block(s) of at most {VOCAB_BLOCK_COLUMNS} "
+                                   f"columns whatever N, gradients made in backward ({how})",))
 
 
 def ops_for(x: torch.Tensor, current: kernels.KernelSettings, dtype: torch.dtype | None = None

@@ -29,7 +29,7 @@ from .config import KernelChoice, KernelSettings, interpreting, settings, use
 from .config import _INTERPRETING  # a constant read at import, tested on every call
 
 __all__ = ["KernelChoice", "KernelSettings", "settings", "use", "KernelBackend", "FusedLinear", "RowGemm", "ops_for",
-           "invariant_ops", "fused_applies", "fused_takes", "triton_applies", "target_facts", "word_checksum",
+           "invariant_ops", "fused_applies", "triton_applies", "target_facts", "word_checksum",
            "TORCH_OPS", "is_fake"]
 
 
@@ -90,23 +90,20 @@ def ops_for(x, current: KernelSettings | None = None):
     return TORCH_OPS
 
 
-# One entry per value of ``fused``: the same object on every call, as _fused_backend.
-@functools.lru_cache(maxsize=2)
-def _invariant_backend(fused: bool) -> KernelBackend:
-    fused_linear, triton_ce, _, row_gemm = _modules()
-    lm_fused = FusedLinear(fused_linear.schedule_covers, row_gemm.linear_stats, row_gemm.grad_logits_for)
-    return replace(triton_ce.OPS, name="invariant:triton" + ("+fused" if fused else ""),
-                   fused=lm_fused if fused else None, row_gemm=RowGemm(row_gemm.logits, row_gemm.add_rows_mm_))
+# One entry: the same object on every call, as _fused_backend.
+@functools.cache
+def _invariant_backend() -> KernelBackend:
+    _, triton_ce, _, row_gemm = _modules()
+    return replace(triton_ce.OPS, name="invariant:triton", row_gemm=RowGemm(row_gemm.logits, row_gemm.add_rows_mm_))
 
 
 def invariant_ops(device, dtype, current: KernelSettings | None = None) -> KernelBackend | None:
     """The kernels of ``batch_invariant=True`` for operands of this device and dtype under
     ``current`` (default the current :func:`settings`), or None where they do not apply (the mode
     then runs the torch path one fixed tile at a time, :mod:`vparallel_ce.invariant`): the Triton
-    row passes (one program per row), the lm_head GEMMs of :mod:`.row_gemm` (one fixed tile config,
-    no split-K) and, unless ``fused`` is off, the fused GEMM kernels at their fixed configs -- for
-    bf16/fp16 on an sm80+ GPU (``auto`` or ``triton``), any float dtype but fp64 under
-    ``TRITON_INTERPRET=1`` with ``triton``."""
+    row passes (one program per row) and the lm_head GEMMs of :mod:`.row_gemm` (one fixed tile
+    config, no split-K), never the fused GEMM kernels -- for bf16/fp16 on an sm80+ GPU (``auto`` or
+    ``triton``), and fp32 too under ``TRITON_INTERPRET=1`` with ``triton``."""
     current = current or settings()
     if current.choice is KernelChoice.TORCH:
         return None
@@ -117,14 +114,7 @@ def invariant_ops(device, dtype, current: KernelSettings | None = None) -> Kerne
     modules = _modules()
     if modules is None or not modules[3].covers(device, dtype):
         return None
-    return _invariant_backend(current.fused)
-
-
-def fused_takes(*, entropy: bool, temperature: float) -> bool:
-    """Whether the fused GEMM kernels' statistics carry these log-prob options
-    (:func:`.fused_linear.takes_options`); False without Triton."""
-    modules = _modules()
-    return modules is not None and modules[0].takes_options(entropy=entropy, temperature=temperature)
+    return _invariant_backend()
 
 
 def triton_applies(device, dtype, *, current: KernelSettings | None = None) -> bool:

@@ -29,12 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import fused_linear as _fl
 from .fused_linear import _Launch, _loop_tile, _store_tile, _tile_coords, _tma_ok, TensorDescriptor
 from .tiles import TileConfig, _capability, covered
 from .triton_ce import _interpreting
 
-__all__ = ["CONFIGS", "aligned", "covers", "logits", "add_rows_mm_", "linear_stats", "grad_logits_for"]
+__all__ = ["CONFIGS", "aligned", "covers", "logits", "add_rows_mm_"]
 
 #: The one config of each kernel. ``logits``: the fused kernels' "keep" config (one program per
 #: tile; the logits stored with TMA in 16-bit, with plain stores in fp32, whose 128 x 256 tile would
@@ -224,13 +223,3 @@ def add_rows_mm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
                            PREC=_prec(a.dtype, a.device), BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
-
-def linear_stats(h, w, b, local_t, owned, spec) -> "_fl.stats.ChunkStats":
-    """:func:`.fused_linear.linear_stats` (its fixed config, :data:`.tiles.DEFAULT_CONFIGS`) of the
-    :func:`aligned` rows: the same loads, so the same partial tiles, for every block of rows."""
-    return _fl.linear_stats(aligned(h), w, b, local_t, owned, spec)
-
-
-def grad_logits_for(h, local_t, owned, shift, coefs, spec) -> "_fl.GradLogits":
-    """:class:`.fused_linear.GradLogits` of the :func:`aligned` rows (as :func:`linear_stats`)."""
-    return _fl.GradLogits(aligned(h), local_t, owned, shift, coefs, spec)
