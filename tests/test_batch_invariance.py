@@ -415,10 +415,14 @@ def test_bad_input_raises_on_every_rank():
             assert errs[name] is not None and text in errs[name], (name, errs[name])
 
 
-def test_no_triton_or_fused_kernel_runs_in_this_mode(monkeypatch):
-    # the per-shape Triton kernels are never asked for, even where they are chosen: the torch path
-    # one tile at a time is the mode's only path (docs/rl.md)
-    from vparallel_ce import kernels
+def test_on_cpu_the_mode_runs_the_torch_tiles_and_never_the_default_kernels(monkeypatch):
+    # the default mode's kernel choice is never asked for, even where Triton is chosen: on a CPU
+    # (no interpreter) the mode runs torch one tile at a time; its own Triton path is for GPUs
+    # (test_kernel_path_rows_are_bitwise_identical_in_interpreter, docs/rl.md)
+    from vparallel_ce import invariant, kernels
+
+    with kernels.use("triton"):
+        assert invariant.ops_for(torch.zeros(1), kernels.settings()) is invariant.OPS
 
     def refuse(*args, **kwargs):
         raise AssertionError("kernels.ops_for called in batch-invariant mode")
