@@ -6,26 +6,44 @@ its every sum is taken in the same order. In the default mode three things chang
 the number of tokens ``N``: the GEMM kernels (cuBLAS / MKL pick a kernel, split-K included, by the
 shape ``[N_chunk, H] x [H, V]``), torch's reductions over the vocab (their strategy depends on the
 shape too, e.g. ATen splits the reduced dim over threads when there are few rows), and the SUM
-all-reduce of the ranks' partials (NCCL's ring or tree, chunked by message size). This mode fixes
-all three:
+all-reduce of the ranks' partials (NCCL's ring or tree, chunked by message size). The default
+plans also switch with ``N`` between paths that round a row differently. This mode fixes all of it,
+on one of two paths chosen by device and dtype alone (:func:`ops_for`, a
+:class:`vparallel_ce.kernels.KernelBackend`):
 
-* **Tiles.** Every per-row GEMM and reduction runs on tiles of exactly :data:`TILE_ROWS` rows, the
-  last one padded (zero rows, ignored target), each a fresh contiguous copy (the same alignment for
-  every tile, so a kernel's vectorised loads never depend on where the rows sat in the caller's
-  tensor). A kernel then only ever sees shapes made of ``TILE_ROWS``, ``H`` and ``V_local``;
-  where in a tile a row sits does not change the order of its own sums. Token chunks are whole
-  tiles (:func:`vparallel_ce.stats.token_slices` with ``tile``): the ``chunks`` option only groups
-  tiles between two exchanges, and no sum crosses rows.
-* **Vocab sums in blocks.** Per-row sums over the vocab (:func:`block_row_sum`) are taken over
-  :data:`VOCAB_BLOCK`-wide blocks of a zero-padded ``[TILE_ROWS, nb, VOCAB_BLOCK]`` copy, then over
-  the ``nb`` block sums: an order that depends on ``V_local`` alone. (The max is exact in any order.)
+* **Kernels** (bf16 / fp16 on a GPU with Triton: :func:`vparallel_ce.kernels.invariant_ops`). The
+  lm_head GEMMs -- the logits ``h W^T`` and the hidden gradient ``dx W``, a sum over the vocab --
+  run as Triton GEMMs of ONE fixed tile config whatever the shape (:mod:`vparallel_ce.kernels.row_gemm`):
+  each output tile is one program's fp32 accumulator over the whole of ``K`` in order, no split-K,
+  no atomics, so an output element is the same sequence of MMA instructions wherever its row sits;
+  the TMA-or-masked-loads choice, the only input that could change the config, is made a property
+  of ``H``, ``V_local`` and the weight (an unaligned block of rows is copied). The row passes over
+  the logits (statistics, gradient) are the Triton kernels of the default mode: one program per
+  row, their tile width set by the vocab block's. ``dW = dx^T h`` stays cuBLAS: it sums over
+  tokens. No padded tiles and no per-tile copies: near the default's speed.
+* **Tiles** (CPU, fp32 / fp64 on a GPU, the ``torch`` kernel choice: :data:`OPS`). Every per-row
+  GEMM and reduction runs on tiles of exactly :data:`TILE_ROWS` rows, the last one padded (zero
+  rows, ignored target), each a fresh contiguous copy (the same alignment for every tile, so a
+  kernel's vectorised loads never depend on where the rows sat in the caller's tensor). A kernel
+  then only ever sees shapes made of ``TILE_ROWS``, ``H`` and the vocab block's width; where in a
+  tile a row sits does not change the order of its own sums. Per-row sums over the vocab
+  (:func:`block_row_sum`) are taken over :data:`VOCAB_BLOCK`-wide blocks of a zero-padded copy,
+  then over the blocks (the max is exact in any order).
+
+On both paths:
+
+* **One walk.** Token chunks are whole tiles (:func:`vparallel_ce.stats.token_slices` with
+  ``tile``); the linear ops walk the shard's vocab in the blocks of :func:`blocks`, a function of
+  ``V_local`` alone, whichever walk the policy picks by ``N`` (token chunks, or one chunk of all
+  tokens), and make the gradients in backward from logits kept or recomputed -- the same bits
+  (:func:`plan`). ``chunks`` only groups rows between two exchanges: no sum crosses rows.
 * **Rank order.** Sums over the TP group gather every rank's partials and add them in rank order
   (:func:`vparallel_ce.comm.all_reduce_sum_rank_ordered`); the MAX all-reduce stays (exact).
 
-The lm_head GEMMs run through torch (``F.linear``/``mm`` of one tile), never the Triton kernels:
-cuBLAS's choice for a fixed shape is fixed, the fused kernels pick their tile schedule by shape. Sums over TOKENS
-(``weight.grad``, ``bias.grad``, a ``mean``/``sum`` loss) are deterministic for a given batch but,
-by nature, not batch invariant. ``docs/rl.md`` ("Batch invariance") states what is guaranteed.
+Sums over TOKENS (``weight.grad``, ``bias.grad``, a ``mean``/``sum`` loss) are deterministic for a
+given batch but, by nature, not batch invariant. The sampling-set path (``support=``) runs on the
+whole shard's logits masked to each row's set (:mod:`vparallel_ce.sampling_set`). ``docs/rl.md``
+("Batch invariance") states what is guaranteed.
 """
 
 from __future__ import annotations
