@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fused_linear import _Launch, _loop_tile, _store_tile, _tile_coords, _tma_ok, TensorDescriptor
+from .fused_linear import _Launch, _loop_tile, _store_tile, _tile_coords, _tma_ok, TensorDescriptor, loads, \
+    precision
 from .tiles import TileConfig, _capability, covered
 from .triton_ce import _interpreting
 
@@ -134,12 +135,6 @@ def aligned(x: torch.Tensor) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format)
 
 
-def _prec(dtype: torch.dtype, device: torch.device) -> str:
-    if dtype == torch.float32:
-        return "tf32" if (device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32) else "ieee"
-    return "tf32"  # unused for 16-bit operands
-
-
 def _launch_logits(h, w, b, out_dtype, add_to=None):
     """One logits kernel: a new ``[c, V]`` output in ``out_dtype`` (row stride rounded up to 16
     elements), or the product added to ``add_to`` (fp32)."""
@@ -204,14 +199,8 @@ def add_rows_mm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         # elements, as the kernels' own outputs are, so TMA applies to it as to theirs
         ld = -(-k // 16) * 16
         a = torch.empty((m, ld), dtype=a.dtype, device=a.device)[:, :k].copy_(a)
-    cfg = CONFIGS["rows"]
-    if a.element_size() == 4 and cfg.block_k > 32:
-        cfg = replace(cfg, block_k=cfg.block_k // 2)  # same bytes per pipeline stage
-    on_hopper = _interpreting() or (a.is_cuda and _capability(a.device) >= (9, 0))
     a = aligned(a)
-    tma = bool(cfg.tma and TensorDescriptor is not None and on_hopper and _tma_ok(a) and _tma_ok(b))
-    if not tma:
-        cfg = replace(cfg, block_n=min(cfg.block_n, 128))  # masked loads: registers for addresses
+    cfg, tma = loads(CONFIGS["rows"], a, b)
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     if tma:
         a_arg = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
@@ -220,6 +209,6 @@ def add_rows_mm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         a_arg, b_arg = a, b
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _add_rows_kernel[grid](a_arg, b_arg, out, m, n, k, a.stride(0), b.stride(0), out.stride(0), TMA=tma,
-                           PREC=_prec(a.dtype, a.device), BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m,
+                           PREC=precision(a), BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
