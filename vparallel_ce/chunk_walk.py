@@ -129,7 +129,7 @@ class Grads:
     Sums over row chunks, vocab blocks or ranks go into fp32 (fp64 for fp64) buffers, cast once at
     the end; the first chunk writes dW's sum (beta = 0) rather than adding to a zero-filled one. A
     gradient that ONE matmul makes -- dW without token chunks, each token chunk's rows of dh of an
-    unsharded, not batch-invariant call with one vocab block -- is written straight into the
+    unsharded call with one vocab block (not on the batch-invariant torch path) -- is written straight into the
     input's dtype (one rounding either way, no fp32 buffer and no cast).
 
     ``kept_hidden`` (the plan's :attr:`~vparallel_ce.policy.WeightGrad.ONE_GEMM`, distillation): the
@@ -144,10 +144,12 @@ class Grads:
         self.dtypes = (h.dtype, w.dtype, None if b is None else b.dtype)
         # batch invariant: one path whatever the chunk count (fp32 sums, dh by rows, rank-ordered)
         self.invariant = rows.call.batch_invariant
-        if self.invariant:
-            self.add_dh = invariant_dh(rows.call, w)
-        # (sequence parallelism implies a sharded vocab: its gathered rows are summed over the group)
-        self.dh_direct = len(schedule.blocks) == 1 and not lay.sharded and not self.invariant
+        self.row_gemm = invariant.ops_for(w, rows.call.kernels, rows.call.matmul_dtype).row_gemm \
+            if self.invariant else None
+        # (sequence parallelism implies a sharded vocab: its gathered rows are summed over the group;
+        # the batch-invariant torch path adds tile by tile into fp32)
+        self.dh_direct = (len(schedule.blocks) == 1 and not lay.sharded
+                          and (not self.invariant or self.row_gemm is not None))
         self.kept_hidden = kept_hidden if need_w else None
         self.kept = None  # the [N, V_loc] logits' gradients, with kept_hidden
         if self.kept_hidden is not None:
@@ -182,8 +184,10 @@ class Grads:
         if self.db is not None:
             self.db[blk] += dx.to(self.db.dtype).sum(0)
         dx = matmul_operand(dx, h_c.dtype)
-        if dh_rows is not None and self.invariant:
-            self.add_dh(dh_rows, dx, w_blk)
+        if dh_rows is not None and self.row_gemm is not None:
+            self.row_gemm.add_rows_mm_(dh_rows, dx, w_blk, accumulate=not self.dh_direct)
+        elif dh_rows is not None and self.invariant:
+            _add_dh_by_tiles(dh_rows, dx, w_blk)
         elif dh_rows is not None:
             mm_into(dh_rows, dx, w_blk, accumulate=not self.dh_direct)
         if self.dw is not None:  # (none with a kept buffer: dx is its rows, dW made at finish)

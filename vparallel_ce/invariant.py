@@ -71,9 +71,11 @@ TILE_ROWS = 128
 #: Width of the vocab blocks of :func:`block_row_sum`: a multiple of the SIMD and warp widths.
 VOCAB_BLOCK = 256
 
-#: The widest vocab block the linear ops walk (:func:`blocks`): the policy's default
-#: ``block_columns``, the width from which the vocab schedule's time stops falling (docs/policy.md).
-VOCAB_BLOCK_COLUMNS = 8192
+#: The widest vocab block the linear ops walk (:func:`blocks`), whatever ``N``: wide enough that a
+#: TP shard of a 128k-152k vocab is one block (whose ``dh`` one GEMM writes straight in ``h``'s
+#: dtype) and a whole such vocab 4-5, whose logits at 8k tokens stay within the default policy's
+#: budget (1 GiB, counted in fp32); at more tokens one block's logits grow with ``N``.
+VOCAB_BLOCK_COLUMNS = 32768
 
 
 def tiles(n: int) -> list[slice]:

@@ -30,7 +30,8 @@ class FusedLinear:
 class RowGemm:
     """GEMMs whose output row ``i`` depends on input row ``i`` alone, whatever the row count
     (:mod:`.row_gemm`, the batch-invariant mode's): ``logits(h, w, b, wide)`` is ``h w^T + b`` in
-    ``h``'s dtype or ``wide`` (fp32); ``add_rows_mm_(out, a, b)`` adds ``a @ b`` to fp32 ``out``."""
+    ``h``'s dtype or ``wide`` (fp32); ``add_rows_mm_(out, a, b, accumulate=True)`` adds ``a @ b``
+    to fp32 ``out`` (``accumulate=False``: writes it, rounded once into ``out``'s dtype)."""
 
     logits: Callable
     add_rows_mm_: Callable

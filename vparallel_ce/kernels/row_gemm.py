@@ -98,8 +98,9 @@ def _rows_tile(A_, B_, off_m, off_n, M, N, K, s_am, s_bk,
 
 
 @triton.jit(do_not_specialize=["M"])
-def _add_rows_kernel(A_, B_, O_, M, N, K, s_am, s_bk, s_om, TMA: tl.constexpr, PREC: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+def _add_rows_kernel(A_, B_, O_, M, N, K, s_am, s_bk, s_om, ACC: tl.constexpr, TMA: tl.constexpr,
+                     PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     GROUP_M: tl.constexpr):
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
     pm, pn = _tile_coords(tl.program_id(0), num_m, num_n, GROUP_M)
@@ -110,8 +111,9 @@ def _add_rows_kernel(A_, B_, O_, M, N, K, s_am, s_bk, s_om, TMA: tl.constexpr, P
     cols = tl.arange(0, BN)
     ptr = O_ + off_m.to(tl.int64) * s_om + off_n + (rows[:, None] * s_om + cols[None, :])
     mask = (rows < M - off_m)[:, None] & (cols < N - off_n)[None, :]
-    acc += tl.load(ptr, mask=mask, other=0.0)  # the sum so far (0 for a fresh buffer: exact)
-    tl.store(ptr, acc, mask=mask)
+    if ACC:  # the sum so far, in fp32
+        acc += tl.load(ptr, mask=mask, other=0.0)
+    tl.store(ptr, acc.to(O_.dtype.element_ty), mask=mask)  # (else rounded once into out's dtype)
 
 
 # --------------------------------------------------------------------------------------------- host
@@ -179,16 +181,21 @@ def logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, wide: torch
     return x
 
 
-def add_rows_mm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+def add_rows_mm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool = True) -> None:
     """``out += a @ b`` for fp32 ``out [M, N]``, ``a [M, K]`` and ``b [K, N]`` (row-major) of one
     16-bit or fp32 dtype: each output tile one program's fp32 sum over all of ``K`` in order, added
-    to ``out`` once. Row ``i`` of the product depends on ``a[i]`` and ``b`` alone."""
+    to ``out`` once; ``accumulate=False``: ``out = a @ b`` in ``out``'s dtype (16-bit too), rounded
+    once -- the bits of the fp32 product cast after. Row ``i`` of the product depends on ``a[i]``
+    and ``b`` alone."""
     m, k = a.shape
     n = b.shape[1]
     if m == 0 or n == 0 or k == 0:
+        if not accumulate:
+            out.zero_()
         return
     if not covered(a, b.t()):
-        out += torch.mm(a.to(out.dtype), b.to(out.dtype))
+        prod = torch.mm(a.to(torch.float32), b.to(torch.float32))
+        out.copy_(out + prod if accumulate else prod)
         return
     if a.stride(1) != 1:
         a = a.contiguous()
@@ -208,7 +215,7 @@ def add_rows_mm_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     else:
         a_arg, b_arg = a, b
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _add_rows_kernel[grid](a_arg, b_arg, out, m, n, k, a.stride(0), b.stride(0), out.stride(0), TMA=tma,
+    _add_rows_kernel[grid](a_arg, b_arg, out, m, n, k, a.stride(0), b.stride(0), out.stride(0), ACC=accumulate, TMA=tma,
                            PREC=precision(a), BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
