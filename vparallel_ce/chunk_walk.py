@@ -41,8 +41,8 @@ from .gemm import logits, matmul_operand, mm_as, mm_into
 from .layout import aligned_parts, vocab_blocks
 from .stats import block_targets, combine, local_targets, merge, token_slices
 
-__all__ = ["Rows", "ChunkTargets", "Grads", "Schedule", "invariant_dh", "sum_dh_over_ranks", "KeptLogits", "scale_unit_grads", "scale_valid_unit_grads",
-           "chunk_losses", "cat_parts"]
+__all__ = ["Rows", "ChunkTargets", "Grads", "Schedule", "invariant_dh", "sum_dh_over_ranks", "KeptLogits",
+           "scale_unit_grads", "scale_valid_unit_grads", "chunk_losses", "cat_parts"]
 
 
 class Rows:
@@ -129,8 +129,8 @@ class Grads:
     Sums over row chunks, vocab blocks or ranks go into fp32 (fp64 for fp64) buffers, cast once at
     the end; the first chunk writes dW's sum (beta = 0) rather than adding to a zero-filled one. A
     gradient that ONE matmul makes -- dW without token chunks, each token chunk's rows of dh of an
-    unsharded call with one vocab block (not on the batch-invariant torch path) -- is written straight into the
-    input's dtype (one rounding either way, no fp32 buffer and no cast).
+    unsharded call with one vocab block (not on the batch-invariant torch path) -- is written
+    straight into the input's dtype (one rounding either way, no fp32 buffer and no cast).
 
     ``kept_hidden`` (the plan's :attr:`~vparallel_ce.policy.WeightGrad.ONE_GEMM`, distillation): the
     call's ``[N, H]`` rows in the matmul dtype. Each chunk then writes its logits' gradient into

@@ -58,8 +58,8 @@ from .layout import vocab_blocks
 from .plan import local_vocab
 from .policy import ChunkPolicy, GradMode, Plan
 
-__all__ = ["TILE_ROWS", "VOCAB_BLOCK", "VOCAB_BLOCK_COLUMNS", "blocks", "tiles", "tile_of", "block_row_sum", "local_stats", "grad_logits",
-           "rows_by_tiles", "add_rows_by_tiles", "plan", "ops_for", "OPS"]
+__all__ = ["TILE_ROWS", "VOCAB_BLOCK", "VOCAB_BLOCK_COLUMNS", "blocks", "tiles", "tile_of", "block_row_sum",
+           "local_stats", "grad_logits", "rows_by_tiles", "add_rows_by_tiles", "plan", "ops_for", "OPS"]
 
 #: Rows of every tile. 128 is the row-block height of the GEMM kernels (cuBLAS/CUTLASS and the
 #: library's Triton kernels tile M by 64 or 128; MKL's micro-kernels by a few rows), so a tile is

@@ -4,8 +4,8 @@ r"""GEMMs whose every output row depends on its own input row alone (Triton): wh
 * :func:`logits` -- ``x = h w^T (+ b)``, ``h [c, H]``, ``w [V, H]``: the logits, in ``h``'s dtype or
   fp32 (the accumulator as it is, over two halves of ``H`` as :func:`vparallel_ce.gemm.logits`
   makes fp32 logits);
-* :func:`add_rows_mm_` -- ``out += a b``, ``a [c, V]``, ``b [V, H]``, ``out`` fp32: the hidden
-  gradient ``dh += dx W``, a sum over the vocab.
+* :func:`add_rows_mm_` -- ``out += a b``, ``a [c, V]``, ``b [V, H]``, ``out`` fp32 (or ``out = a b``
+  rounded once into ``out``'s dtype): the hidden gradient ``dh += dx W``, a sum over the vocab.
 
 A GEMM library picks its kernel by shape: the tile sizes, and split-K (the sum over ``K`` cut into
 pieces added afterwards) for few rows, so the order of a row's sum can change with the number of
@@ -163,9 +163,10 @@ def logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, wide: torch
     round-to-nearest, as :func:`vparallel_ce.gemm.logits` does with cuBLAS) and the bias added in
     fp32 after. Row ``i`` depends on ``h[i]``, ``w`` and ``b`` alone."""
     c, k, v = h.shape[0], h.shape[1], w.shape[0]
-    if c == 0 or v == 0 or k == 0 or not covered(h, w):
-        x = torch.mm(h.to(wide or h.dtype), w.to(wide or h.dtype).t()) if k else h.new_zeros((c, v), dtype=wide or h.dtype)
-        return x if b is None else x + b.to(x.dtype)
+    if c == 0 or v == 0 or k == 0 or not covered(h, w):  # nothing to sum, or not these kernels' inputs
+        out = wide or h.dtype
+        x = torch.mm(h.to(out), w.to(out).t()) if k else h.new_zeros((c, v), dtype=out)
+        return x if b is None else x + b.to(out)
     h = aligned(h)
     b = None if b is None else b.contiguous()
     if wide is None or wide == h.dtype:
