@@ -36,7 +36,8 @@ whole shard's logits instead (the mode's own GEMM, :func:`vparallel_ce.gemm.logi
 each row's set (``-inf`` off it, :meth:`SetRows.over_shard`), through the mode's row steps over the
 shard's fixed width; the gradient is the shard's ``[c, V_loc]`` and ``dh`` the mode's GEMM. It costs
 what the full-vocabulary op costs. The masks (``top_k`` / ``top_p`` / ``min_p``) are refused with
-it: their thresholds are found across ranks by selections whose order is not fixed.
+it: their thresholds come from sums over the vocabulary and the ranks, and from a candidate count
+that a chunk's rows share, in no fixed order (:mod:`vparallel_ce.sampling_masks`).
 
 Not here: ``torch.compile`` (refused; call the op outside the compiled region).
 """
@@ -73,7 +74,9 @@ def check_support(support, target: torch.Tensor, masks: SamplingMasks, batch_inv
     if support is None:
         if masks.top_k is not None or masks.top_p is not None or masks.min_p is not None:
             if batch_invariant:
-                return Problem(NotImplementedError, "batch_invariant=True with top_k/top_p/min_p is not supported")
+                return Problem(NotImplementedError, "batch_invariant=True with top_k/top_p/min_p is not supported "
+                                                    "(their thresholds are not made in a fixed order): pass the "
+                                                    "engine's kept ids as support= instead")
         return None
     if masks.top_k is not None or masks.top_p is not None or masks.min_p is not None:
         return Problem(ValueError, "pass either support= (the engine's kept ids) or top_k/top_p/min_p (rebuilt "
@@ -178,7 +181,6 @@ class SetRows:
         full_owned = (t_full >= 0) & (t_full < lay.local_size)
         return cls(cols, kept, t_here.to(torch.uint8).argmax(-1) if k_loc else torch.zeros_like(target),
                    t_here.any(-1), valid, in_set, full, t_full.clamp(0, max(lay.local_size - 1, 0)), full_owned)
-
 
     def over_shard(self, width: int) -> "SetRows":
         """These rows' sets over the whole ``width``-column shard (the batch-invariant mode's, whose
