@@ -14,6 +14,9 @@ are not asserted to be.
 
 from __future__ import annotations
 
+import importlib.util
+import textwrap
+
 import pytest
 import torch
 
@@ -32,14 +35,22 @@ RUNS = [((1, 0), 1), ((1, 0), "auto"), ((300, ROW), 1), ((300, ROW), 3), ((300, 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def _batch(n: int, pos: int, row_h, row_t, seed: int):
+def _batch(n: int, pos: int, row_h, row_t, seed: int, vocab: int = V):
     """``n`` random hidden rows and targets with the studied row at ``pos`` (some targets ignored)."""
     g = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, H, generator=g, dtype=torch.float64)
-    t = torch.randint(0, V, (n,), generator=g)
+    h = torch.randn(n, row_h.shape[0], generator=g, dtype=torch.float64)
+    t = torch.randint(0, vocab, (n,), generator=g)
     t[torch.rand(n, generator=g) < 0.2] = -100
     h[pos], t[pos] = row_h, row_t
     return h, t
+
+
+def support_of(t: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each token's sampling set (``support=``): its target and the next three ids, padded with -1;
+    the whole vocabulary (a row of -1) for an ignored token and for a target divisible by 5."""
+    ids = torch.cat([(t.clamp(min=0).unsqueeze(-1) + torch.arange(4)) % vocab, torch.full((t.numel(), 2), -1)], -1)
+    ids[(t == -100) | (t % 5 == 0)] = -1
+    return ids
 
 
 def _ops(rank, world, group, dtype, weight, device):
@@ -77,8 +88,9 @@ def _ops(rank, world, group, dtype, weight, device):
             t = t.to(device)
             ww = w.detach().clone().requires_grad_()
             u = upstream(t)
-            if name == "linear_token_logprobs":
-                lp, ent = vparallel_ce.linear_token_logprobs(hh, ww, t, group=group, with_entropy=True,
+            if name.startswith("linear_token_logprobs"):
+                sets = support_of(t.cpu(), weight.shape[0]).to(device) if name.endswith("support") else None
+                lp, ent = vparallel_ce.linear_token_logprobs(hh, ww, t, group=group, with_entropy=True, support=sets,
                                                              chunks=chunks, batch_invariant=invariant)
                 (lp * u - 0.2 * ent * u).sum().backward()
                 outs = (lp, ent)
@@ -91,7 +103,11 @@ def _ops(rank, world, group, dtype, weight, device):
         return run
 
     return {name: logits_op(name) for name in ("token_logprobs", "cross_entropy")} | {
-        name: linear_op(name) for name in ("linear_token_logprobs", "linear_cross_entropy")}
+        name: linear_op(name) for name in LINEAR_OPS}
+
+
+# the linear ops as the tests name them: the sampling-set path of linear_token_logprobs is the third
+LINEAR_OPS = ("linear_token_logprobs", "linear_cross_entropy", "linear_token_logprobs support")
 
 
 def _reference(name, h, weight, t, pos, round_to=None):
@@ -110,6 +126,12 @@ def _reference(name, h, weight, t, pos, round_to=None):
         loss = torch.nn.functional.cross_entropy(xx[pos : pos + 1], t[pos : pos + 1], label_smoothing=0.1)
         (0.75 * loss).backward()
         return (loss,), xx.grad[pos]
+    if name.endswith("support"):
+        ids = support_of(t[pos : pos + 1], weight.shape[0])[0]
+        logp = torch.log_softmax(x[pos][ids[ids >= 0]], -1)  # the target is the set's first id
+        outs = (logp[0], -(logp.exp() * logp).sum())
+        (0.75 * outs[0] - 0.2 * 0.75 * outs[1]).backward()
+        return outs, hh.grad[pos]
     logp = torch.log_softmax(x[pos], -1)
     if name == "linear_token_logprobs":
         outs = (logp[tok], -(logp.exp() * logp).sum())
@@ -132,21 +154,27 @@ def invariance_rank(rank, world, dtype_name, device="cpu"):
     return failures + _invariance(rank, world, dist.group.WORLD, dtype_name, device)
 
 
-def _invariance(rank, world, group, dtype_name, device="cpu"):
+def _invariance(rank, world, group, dtype_name, device="cpu", *, names=None, runs=RUNS, vocab=V, hidden=H,
+                compare_default=True):
+    """The failures of the ops (``names``: all) in ``runs`` at ``vocab x hidden``: the studied row's
+    outputs and gradient row bitwise equal in every run, right against float64 in the first (and,
+    ``compare_default``, every row close to the default mode's at N=300, chunks=3)."""
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(11)
-    weight = torch.randn(V, H, generator=g, dtype=torch.float64) * 0.4
-    row_h = torch.randn(H, generator=g, dtype=torch.float64)
-    row_t = torch.tensor(321)  # owned by rank 0 at TP 2, rank 0 at TP 3
+    weight = torch.randn(vocab, hidden, generator=g, dtype=torch.float64) * (0.4 if hidden <= 64 else 2.0 / hidden**0.5)
+    row_h = torch.randn(hidden, generator=g, dtype=torch.float64)
+    row_t = torch.tensor(321)  # owned by rank 0 at TP 2, rank 0 at TP 3 (at V=521)
     failures = []
     for name, op in _ops(rank, world, group, dtype, weight, device).items():
+        if names is not None and name not in names:
+            continue
         seen = None
-        for (n, pos), chunks in RUNS:
-            h, t = _batch(n, pos, row_h, row_t, seed=n)
+        for (n, pos), chunks in runs:
+            h, t = _batch(n, pos, row_h, row_t, seed=n, vocab=vocab)
             outs, grad = op(h, t, chunks)
             mine = tuple(o[pos].cpu() for o in outs) + (grad[pos].cpu(),)
             where = f"{name} {dtype_name} TP{world} N={n} pos={pos} chunks={chunks}"
-            if n > 2 * TILE and chunks == 3:  # every row of every tile, padded last one included
+            if compare_default and n > 2 * TILE and chunks == 3:  # every row of every tile, padded last one included
                 default_outs, default_grad = op(h, t, chunks, invariant=False)
                 for i, (got, want) in enumerate(zip((*outs, grad), (*default_outs, default_grad))):
                     err = (got.double() - want.double()).abs().max().item() / want.double().abs().max().item()
@@ -193,6 +221,85 @@ def test_rows_are_bitwise_identical_on_cuda(world, dtype):
     _assert_invariant(world, dtype, "cuda")
 
 
+# The kernel path under Triton's interpreter (fp32: the interpreter's bf16 dot is not exact). Its
+# tl.dot is numpy's matmul, whose BLAS sums a product row in an order that depends on the row's
+# position in the block -- a GPU's MMA instruction does not -- so the script gives the interpreter a
+# dot that sums every element's products in K order, and what is checked is that the kernels and
+# their host code let no other row, no row position and no chunking into a row's sums.
+KERNEL_RUNS = [((1, 0), 1), ((40, 37), 3), ((20, 5), "auto")]  # (with token chunks of whole 16-row tiles)
+_KERNEL_PATH = textwrap.dedent(
+    r"""
+    import os
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        prod = a.data.astype(np.float32)[:, :, None] * b.data.astype(np.float32)[None, :, :]
+        return interpreter.TensorHandle((prod.sum(axis=1) + d.data).astype(d.data.dtype), d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = dot
+    from vparallel_ce.kernels import row_gemm
+    ran = dict.fromkeys(["logits", "add_rows_mm_"], 0)
+    for name in ran:  # counted: the mode must run these (its backend is made on first use, after this)
+        def counted(*a, _name=name, _fn=getattr(row_gemm, name), **k):
+            ran[_name] += 1
+            return _fn(*a, **k)
+        setattr(row_gemm, name, counted)
+    from tests import test_batch_invariance as spec
+    from vparallel_ce import invariant
+    invariant.TILE_ROWS = 16  # token chunks of whole 16-row tiles: several chunks at few rows (the interpreter's cost)
+    # linear_cross_entropy and the set op over one block (dh written by one GEMM), the log-probs over
+    # three (V=521 in blocks of 256: a row's statistics merged and dh summed over them in order)
+    failures = spec._invariance(0, 1, None, "float32", names=spec.LINEAR_OPS[1:], runs=spec.KERNEL_RUNS,
+                                compare_default=False)
+    invariant.VOCAB_BLOCK_COLUMNS = 256
+    failures += spec._invariance(0, 1, None, "float32", names=spec.LINEAR_OPS[:1], runs=spec.KERNEL_RUNS,
+                                 compare_default=False)
+    assert not failures, "\n".join(failures)
+    assert all(ran.values()), ran
+    print("FUSED_CHECKS_OK", ran)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_kernel_path_rows_are_bitwise_identical_in_interpreter():
+    """The mode's Triton path (fixed-config GEMMs for the logits and dh, the row passes) under the
+    interpreter: the three linear ops at TP 1 over one or three vocab blocks, a row alone and at two
+    positions of other batches, chunked differently, bitwise equal and right against float64."""
+    from tests.test_fused_linear import _interpreted
+
+    _interpreted(_KERNEL_PATH, kernels="triton")
+
+
+def sized_invariance_rank(rank, world, vocab, hidden):
+    """The linear ops in bf16 on CUDA at ``vocab x hidden`` (ranks of one GPU, gloo)."""
+    import torch.distributed as dist
+
+    from vparallel_ce import invariant, kernels
+
+    bf16 = torch.zeros(1, device="cuda", dtype=torch.bfloat16)
+    assert invariant.ops_for(bf16, kernels.settings()).name == "invariant:triton"
+    group = dist.group.WORLD if world > 1 else None
+    return _invariance(rank, world, group, "bfloat16", "cuda", names=LINEAR_OPS, vocab=vocab, hidden=hidden,
+                       compare_default=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("vocab,hidden", [(5003, 512), (18992, 4096)])
+def test_kernel_path_rows_are_bitwise_identical_on_cuda_at_larger_sizes(world, vocab, hidden):
+    """bf16 on a GPU, where the mode runs its Triton path (fixed-config GEMMs for the logits and dh,
+    the row passes): the three linear ops at an odd vocab and at a Qwen3-8B TP=8 shard's size, TP 1
+    and 2."""
+    results = (run_ranks(sized_invariance_rank, world, vocab, hidden) if world > 1
+               else [sized_invariance_rank(0, 1, vocab, hidden)])
+    failures = [f for per_rank in results for f in per_rank]
+    assert not failures, "\n".join(failures)
+
+
 def test_tiles_and_chunks_of_whole_tiles():
     from vparallel_ce import invariant
     from vparallel_ce.stats import token_slices
@@ -212,13 +319,25 @@ def test_the_option_survives_the_compiled_key():
     assert decode(key_of(options, None))[0] == options
 
 
-def test_plan_recomputes_token_chunks_whatever_the_arguments():
-    plan = vparallel_ce.policy.DEFAULT_POLICY
+def test_plan_makes_gradients_in_backward_over_the_same_vocab_blocks_whatever_the_arguments():
+    """Gradients never made in forward for 1 and scaled after (another rounding of a row); token
+    chunks or one chunk of vocab blocks as the policy chooses by N, the blocks a function of the
+    shard's width alone; logits kept from forward where the policy keeps them (one chunk)."""
     from vparallel_ce import invariant
+    from vparallel_ce.policy import GradMode
 
-    for n in (1, 300, 100_000):
-        p = invariant.plan(plan, n, 50_000, 2, hidden_size=64, reduction="mean", chunks="auto", logits_dtype=None)
-        assert p.schedule == "token" and p.grad_mode is vparallel_ce.policy.GradMode.RECOMPUTE, p
+    policy = vparallel_ce.policy.DEFAULT_POLICY
+    seen = set()
+    for n in (1, 300, 8192, 100_000):
+        p = invariant.plan(policy, n, 151_936, 1, hidden_size=4096, reduction="mean", chunks="auto",
+                           logits_dtype=None)
+        assert p.grad_mode is not GradMode.IN_FORWARD, (n, p)
+        seen.add(p.schedule)
+    assert seen == {"token", "vocab"}  # both walks, over the same blocks:
+    assert [(b.start, b.stop) for b in invariant.blocks(151_936)] == [(i * 30464, min((i + 1) * 30464, 151_936))
+                                                                     for i in range(5)]
+    assert invariant.plan(policy, 1, 50_000, 2, hidden_size=64, reduction="mean", chunks="auto",
+                          logits_dtype=None).grad_mode is GradMode.FROM_KEPT_LOGITS
 
 
 # sequence parallelism at TP 3: (tokens on each rank, the rank holding the studied row, its
@@ -301,10 +420,14 @@ def test_bad_input_raises_on_every_rank():
             assert errs[name] is not None and text in errs[name], (name, errs[name])
 
 
-def test_no_triton_or_fused_kernel_runs_in_this_mode(monkeypatch):
-    # the per-shape Triton kernels are never asked for, even where they are chosen: the torch path
-    # one tile at a time is the mode's only path (docs/rl.md)
-    from vparallel_ce import kernels
+def test_on_cpu_the_mode_runs_the_torch_tiles_and_never_the_default_kernels(monkeypatch):
+    # the default mode's kernel choice is never asked for, even where Triton is chosen: on a CPU
+    # (no interpreter) the mode runs torch one tile at a time; its own Triton path is for GPUs
+    # (test_kernel_path_rows_are_bitwise_identical_in_interpreter, docs/rl.md)
+    from vparallel_ce import invariant, kernels
+
+    with kernels.use("triton"):
+        assert invariant.ops_for(torch.zeros(1), kernels.settings()) is invariant.OPS
 
     def refuse(*args, **kwargs):
         raise AssertionError("kernels.ops_for called in batch-invariant mode")

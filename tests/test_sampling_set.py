@@ -295,12 +295,16 @@ def _bad_sets_rank(rank, world):
             except (ValueError, TypeError) as exc:
                 if not all(w in str(exc) for w in words):
                     report.append(f"[TP1] {name}: {exc} lacks {words}")
-    try:
-        vparallel_ce.token_logprobs(xs, t, group=group, support=sup, batch_invariant=True)
-        report.append(f"[TP{world}] batch_invariant with support did not raise")
-    except (NotImplementedError, ValueError) as exc:
+    try:  # the masks' thresholds are not made in a fixed order: refused with batch_invariant
+        vparallel_ce.token_logprobs(xs, t, group=group, top_k=2, batch_invariant=True)
+        report.append(f"[TP{world}] batch_invariant with top_k did not raise")
+    except NotImplementedError as exc:
         if "batch_invariant" not in str(exc):
             report.append(f"[TP{world}] batch_invariant message: {exc}")
+    # a set with batch_invariant: the set's log-probs (over the whole shard's masked logits)
+    inv = vparallel_ce.token_logprobs(xs, t, group=group, support=sup, batch_invariant=True)
+    if not torch.allclose(inv, vparallel_ce.token_logprobs(xs, t, group=group, support=sup), rtol=1e-9, atol=1e-12):
+        report.append(f"[TP{world}] batch_invariant with support: not the set's log-probs")
     # check=False: a target outside its set has logp = -inf and no gradient
     xg = xs.clone().requires_grad_()
     lp = vparallel_ce.token_logprobs(xg, t, group=group, support=missing, check=False)

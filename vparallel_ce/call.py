@@ -69,7 +69,7 @@ class Call:
             or by its backward (:meth:`settle_forward`); None on a group, where the exchange
             checked the targets.
         batch_invariant: every sum in an order independent of the call's other tokens
-            (:mod:`vparallel_ce.invariant`): fixed-shape tiles, rank-ordered SUMs, torch kernels.
+            (:mod:`vparallel_ce.invariant`): fixed-config kernels (or fixed-shape tiles), rank-ordered SUMs.
         replan: the linear ops' plan of the same call over another token count (the rows kept by
             ignored-token compaction, :meth:`with_rows`); None for the logits ops and in the
             batch-invariant mode, which are never compacted.
@@ -91,9 +91,10 @@ class Call:
     replan: Callable[[int], Plan] | None = field(default=None, compare=False, repr=False)
 
     def ops(self, x: torch.Tensor) -> kernels.KernelBackend:
-        """The per-chunk steps for tensors like ``x``: :data:`vparallel_ce.invariant.OPS` in the
-        batch-invariant mode, else :func:`vparallel_ce.kernels.ops_for` under the call's settings."""
-        return invariant.OPS if self.batch_invariant else kernels.ops_for(x, self.kernels)
+        """The per-chunk steps for tensors like ``x`` under the call's settings:
+        :func:`vparallel_ce.invariant.ops_for` in the batch-invariant mode, else
+        :func:`vparallel_ce.kernels.ops_for`."""
+        return invariant.ops_for(x, self.kernels) if self.batch_invariant else kernels.ops_for(x, self.kernels)
 
     @property
     def tile(self) -> int:
@@ -290,14 +291,13 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
     sp = o.sequence_parallel is True
     matmul = _matmul_dtype(weight, amp) if problem is None else None
     chosen = kernels.settings()
-    if o.batch_invariant is True:  # fixed-shape torch GEMMs: never the per-shape fused kernels
-        chosen = replace(chosen, choice=kernels.KernelChoice.TORCH, fused=False)
-    elif problem is None and _logits_dtype(o.logits_dtype, matmul) is not None:
+    if problem is None and _logits_dtype(o.logits_dtype, matmul) is not None:
         # fp32 logits come from cuBLAS in two halves of H (gemm._mm_wide): the fused kernels sum
         # all of H in one tensor-core accumulator, which truncates (2.7e-6 log-prob error vs 1.3e-6)
         chosen = replace(chosen, fused=False)
-    fused = problem is None and kernels.fused_applies(weight.device, matmul, entropy=o.with_entropy,
-                                                      temperature=float(o.temperature), current=chosen)
+    # (batch invariant: never the fused kernels, invariant.plan says why)
+    fused = problem is None and not o.batch_invariant and kernels.fused_applies(
+        weight.device, matmul, entropy=o.with_entropy, temperature=float(o.temperature), current=chosen)
 
     def facts(target_checksum):  # made only for a group's exchange
         # replicated hidden states are checked to be so (with sequence parallelism each rank holds

@@ -41,8 +41,8 @@ from .gemm import logits, matmul_operand, mm_as, mm_into
 from .layout import aligned_parts, vocab_blocks
 from .stats import block_targets, combine, local_targets, merge, token_slices
 
-__all__ = ["Rows", "ChunkTargets", "Grads", "Schedule", "KeptLogits", "scale_unit_grads", "scale_valid_unit_grads",
-           "chunk_losses", "cat_parts"]
+__all__ = ["Rows", "ChunkTargets", "Grads", "Schedule", "invariant_dh", "sum_dh_over_ranks", "KeptLogits",
+           "scale_unit_grads", "scale_valid_unit_grads", "chunk_losses", "cat_parts"]
 
 
 class Rows:
@@ -129,8 +129,8 @@ class Grads:
     Sums over row chunks, vocab blocks or ranks go into fp32 (fp64 for fp64) buffers, cast once at
     the end; the first chunk writes dW's sum (beta = 0) rather than adding to a zero-filled one. A
     gradient that ONE matmul makes -- dW without token chunks, each token chunk's rows of dh of an
-    unsharded, not batch-invariant call with one vocab block -- is written straight into the
-    input's dtype (one rounding either way, no fp32 buffer and no cast).
+    unsharded call with one vocab block (not on the batch-invariant torch path) -- is written
+    straight into the input's dtype (one rounding either way, no fp32 buffer and no cast).
 
     ``kept_hidden`` (the plan's :attr:`~vparallel_ce.policy.WeightGrad.ONE_GEMM`, distillation): the
     call's ``[N, H]`` rows in the matmul dtype. Each chunk then writes its logits' gradient into
@@ -142,10 +142,14 @@ class Grads:
         need_h, need_w, need_b = need
         lay = rows.call.layout
         self.dtypes = (h.dtype, w.dtype, None if b is None else b.dtype)
-        # batch invariant: one path whatever the chunk count (fp32 sums, dh by tiles, rank-ordered)
+        # batch invariant: one path whatever the chunk count (fp32 sums, dh by rows, rank-ordered)
         self.invariant = rows.call.batch_invariant
-        # (sequence parallelism implies a sharded vocab: its gathered rows are summed over the group)
-        self.dh_direct = len(schedule.blocks) == 1 and not lay.sharded and not self.invariant
+        self.row_gemm = invariant.ops_for(w, rows.call.kernels, rows.call.matmul_dtype).row_gemm \
+            if self.invariant else None
+        # (sequence parallelism implies a sharded vocab: its gathered rows are summed over the group;
+        # the batch-invariant torch path adds tile by tile into fp32)
+        self.dh_direct = (len(schedule.blocks) == 1 and not lay.sharded
+                          and (not self.invariant or self.row_gemm is not None))
         self.kept_hidden = kept_hidden if need_w else None
         self.kept = None  # the [N, V_loc] logits' gradients, with kept_hidden
         if self.kept_hidden is not None:
@@ -180,8 +184,10 @@ class Grads:
         if self.db is not None:
             self.db[blk] += dx.to(self.db.dtype).sum(0)
         dx = matmul_operand(dx, h_c.dtype)
-        if dh_rows is not None and self.invariant:
-            invariant.add_rows_by_tiles(dh_rows, lambda tile: mm_as(tile, w_blk, dh_rows.dtype), dx)
+        if dh_rows is not None and self.row_gemm is not None:
+            self.row_gemm.add_rows_mm_(dh_rows, dx, w_blk, accumulate=not self.dh_direct)
+        elif dh_rows is not None and self.invariant:
+            _add_dh_by_tiles(dh_rows, dx, w_blk)
         elif dh_rows is not None:
             mm_into(dh_rows, dx, w_blk, accumulate=not self.dh_direct)
         if self.dw is not None:  # (none with a kept buffer: dx is its rows, dW made at finish)
@@ -200,15 +206,34 @@ class Grads:
                                   device=self.kept.device)
             mm_into(self.dw, self.kept.t(), self.kept_hidden, accumulate=False)
             self.kept = self.kept_hidden = None
-        sp = rows.call.sequence_parallel  # then dh is this rank's rows, summed by end_chunk
-        if self.dh is not None and self.invariant and rows.call.layout.sharded and not sp:
-            # world x one chunk's rows at a time
-            for sl in rows.local:
-                self.dh[sl] = comm.all_reduce_sum_rank_ordered(self.dh[sl], rows.call.layout.group)
-        elif self.dh is not None and not sp and not self.invariant:
-            comm.all_reduce_sum_(self.dh, rows.call.layout.group)
+        if self.dh is not None and not rows.call.sequence_parallel:  # (else summed by end_chunk)
+            sum_dh_over_ranks(rows, self.dh)
         return tuple(g if g is None or g.dtype == dt else g.to(dt)
                      for g, dt in zip((self.dh, self.dw, self.db), self.dtypes))
+
+
+def invariant_dh(call: Call, w: torch.Tensor):
+    """The batch-invariant ``add(dh_rows, dx, w_blk)``: ``dh_rows += dx w_blk`` (fp32 rows, ``dx``
+    and ``w_blk`` in the matmul dtype), a row's sum over the vocab from its own row of ``dx`` alone
+    -- the fixed-config Triton GEMM, or one torch GEMM per fixed-shape tile."""
+    fixed = invariant.ops_for(w, call.kernels, call.matmul_dtype).row_gemm
+    return fixed.add_rows_mm_ if fixed is not None else _add_dh_by_tiles
+
+
+def _add_dh_by_tiles(dh_rows: torch.Tensor, dx: torch.Tensor, w_blk: torch.Tensor) -> None:
+    invariant.add_rows_by_tiles(dh_rows, lambda tile: mm_as(tile, w_blk, dh_rows.dtype), dx)
+
+
+def sum_dh_over_ranks(rows: Rows, dh: torch.Tensor) -> None:
+    """A replicated hidden's partial ``dh`` (fp32) summed over the group in place: one all-reduce,
+    or in the batch-invariant mode in rank order, world x one chunk's rows at a time."""
+    lay = rows.call.layout
+    if rows.call.batch_invariant:
+        if lay.sharded:
+            for sl in rows.local:
+                dh[sl] = comm.all_reduce_sum_rank_ordered(dh[sl], lay.group)
+    else:
+        comm.all_reduce_sum_(dh, lay.group)
 
 
 @dataclass(frozen=True)
@@ -226,7 +251,11 @@ class Schedule:
     def of(cls, call: Call, *, keep_logits: bool) -> "Schedule":
         """The call's schedule; ``keep_logits``: the statistics step keeps the logits for a gradient
         step (right after it, or in backward: ``Plan.keep_logits``). Vocab blocks never keep them."""
-        if call.plan.schedule == "token":
+        token = call.plan.schedule == "token"
+        if call.batch_invariant:  # the same blocks whatever N (invariant.plan)
+            return cls(call.plan.chunks if token else 1, tuple(invariant.blocks(call.layout.local_size)),
+                       keep_logits=keep_logits and token)
+        if token:
             return cls(call.plan.chunks, tuple(aligned_parts(call.layout.local_size)), keep_logits=keep_logits)
         return cls(1, tuple(vocab_blocks(call.layout.local_size, call.plan.chunks)), keep_logits=False)
 
@@ -261,7 +290,8 @@ class Schedule:
         chunk of one block, on a rank holding the whole vocab (no exchange between the statistics
         and the gradient), not sequence parallel; a bias only with a scalar upstream gradient."""
         return (self.keep_logits and self.row_chunks == 1 and len(self.blocks) == 1 and not call.layout.sharded
-                and not call.sequence_parallel and not (b is not None and call.reduction == "none"))
+                and not call.sequence_parallel and not (b is not None and call.reduction == "none")
+                and not call.batch_invariant)  # (its g is applied to dx W, not to dx: another rounding)
 
     @staticmethod
     def fused(ops, call: Call, h_c, w) -> bool:

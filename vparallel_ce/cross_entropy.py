@@ -70,9 +70,9 @@ def cross_entropy(
             silently wrong loss.
         batch_invariant: each token's loss (``reduction="none"``) and its row of the gradient are
             bitwise the same whatever the other tokens of the call, their number and ``chunks``:
-            the rows are processed in fixed 128-row tiles with vocab sums in a fixed order, and
-            the ranks' partials are added in rank order (``docs/rl.md``, "Batch invariance";
-            :mod:`vparallel_ce.invariant`). Slower; the same on every rank (checked).
+            one program per row on a GPU (bf16/fp16), else fixed 128-row tiles with vocab sums in a
+            fixed order, and the ranks' partials added in rank order (``docs/rl.md``, "Batch
+            invariance"; :mod:`vparallel_ce.invariant`). The same on every rank (checked).
 
     Returns:
         fp32 loss (fp64 for fp64 logits), a plain tensor even for DTensor input: a scalar for

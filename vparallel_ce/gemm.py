@@ -20,8 +20,11 @@ def logits(call: Call, h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None)
     output variant where the device has it (CUDA), else from operands upcast to fp32 here (CPU:
     exact products of bf16/fp16 values summed in fp32; the cost is an fp32 copy of this block of
     ``w`` and of ``h``'s rows per GEMM, and the slower fp32 GEMM). The bias is added in fp32."""
-    if call.batch_invariant:  # one fixed-shape GEMM per tile: its kernel does not change with N
-        return invariant.rows_by_tiles(lambda tile: _logits(call.logits_dtype, tile, w, b), h)
+    if call.batch_invariant:  # a row's logits from its own row alone, whatever N
+        fixed = invariant.ops_for(h, call.kernels).row_gemm
+        if fixed is not None:  # one fixed-config Triton GEMM
+            return fixed.logits(h, w, b, call.logits_dtype)
+        return invariant.rows_by_tiles(lambda tile: _logits(call.logits_dtype, tile, w, b), h)  # one GEMM per tile
     return _logits(call.logits_dtype, h, w, b)
 
 

@@ -88,11 +88,12 @@ def linear_cross_entropy(
             matmuls); the gradient GEMMs still take that gradient in the matmul dtype. See
             ``docs/rl.md`` ("Precision of the logits") for what it costs.
         batch_invariant: as in :func:`vparallel_ce.cross_entropy`, for the per-token loss and each
-            token's row of ``hidden.grad``: the lm_head GEMMs run through torch one 128-row tile at a
-            time (never the fused kernels), token chunks are whole tiles and the logits are
-            recomputed in backward (``schedule`` and ``recompute`` are overridden); the hidden
+            token's row of ``hidden.grad``: the lm_head GEMMs run as Triton GEMMs of one fixed tile
+            config on a GPU (bf16/fp16; never the fused kernels), else through torch one 128-row
+            tile at a time; the vocab is walked in the same blocks whatever ``N`` and the gradients
+            are made in backward (``schedule`` and ``recompute`` are overridden); the hidden
             gradient is summed over the group in rank order. ``weight.grad``/``bias.grad`` sum over
-            tokens and are not batch invariant. Not with ``sequence_parallel``.
+            tokens and are not batch invariant.
 
     Returns:
         fp32 loss (fp64 for fp64 inputs): scalar for mean/sum, per-token for none. Gradients, each in

@@ -70,10 +70,11 @@ def token_logprobs(
         support: ``[..., K]`` int64 GLOBAL vocab ids per token, padded with ``-1``: the rollout's
             sampling set (a row of ``-1``: the whole vocabulary). The log-probs and entropy are then
             over the set, ``z_t - logsumexp_{j in S} z_j`` (``docs/rl.md``, "Log-probs over the
-            sampling set"); the target must be in its row's set. Not with ``batch_invariant``.
+            sampling set"); the target must be in its row's set. With ``batch_invariant`` over the
+            whole shard's logits masked to the set (the full-vocabulary op's cost).
         top_k, top_p, min_p: rebuild the set from the logits as vLLM's sampler masks them (at
             ``temperature``; ties at the boundary kept, :mod:`vparallel_ce.sampling_masks`), for
-            engines that send no set. Not with ``support`` or ``batch_invariant``.
+            engines that send no set. Not with ``support`` or ``batch_invariant`` (``NotImplementedError``).
 
     Returns:
         ``logprobs`` of ``target``'s shape, fp32 (fp64 for fp64 logits); with ``with_entropy`` the

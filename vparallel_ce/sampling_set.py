@@ -30,19 +30,26 @@ weight (``[c, K_loc, H]``, ``O(c K_loc H)`` reads and FLOPs), else one GEMM over
 (``O(c V_loc H)``) and a gather of its columns. Rows with the whole vocabulary (``-1`` rows, or
 the masks) take the GEMM. The rule reads two integers per chunk on the host.
 
-Not here: ``batch_invariant=True`` (its fixed tiles and sums are for the full-vocabulary path;
-refused) and ``torch.compile`` (refused; call the op outside the compiled region).
+**Batch invariance** (``batch_invariant=True``, with ``support``): the gather mode's and the set
+matrix's widths follow the chunk's largest set, so a row's sums would too. This mode takes the
+whole shard's logits instead (the mode's own GEMM, :func:`vparallel_ce.gemm.logits`), masked to
+each row's set (``-inf`` off it, :meth:`SetRows.over_shard`), through the mode's row steps over the
+shard's fixed width; the gradient is the shard's ``[c, V_loc]`` and ``dh`` the mode's GEMM. It costs
+what the full-vocabulary op costs. The masks (``top_k`` / ``top_p`` / ``min_p``) are refused with
+it: their thresholds come from sums over the vocabulary and the ranks, and from a candidate count
+that a chunk's rows share, in no fixed order (:mod:`vparallel_ce.sampling_masks`).
+
+Not here: ``torch.compile`` (refused; call the op outside the compiled region).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from . import comm
 from .call import Call
-from .chunk_walk import Rows
+from .chunk_walk import Rows, invariant_dh, sum_dh_over_ranks
 from .gemm import logits as lm_logits, matmul_inputs, mm_as
 from .sampling_masks import SamplingMasks, thresholds
 from .stats import ChunkStats, GradCoefs, combine, compute_dtype, grad_logits, local_stats, logprob_grad_coefs, \
@@ -67,13 +74,13 @@ def check_support(support, target: torch.Tensor, masks: SamplingMasks, batch_inv
     if support is None:
         if masks.top_k is not None or masks.top_p is not None or masks.min_p is not None:
             if batch_invariant:
-                return Problem(NotImplementedError, "batch_invariant=True with top_k/top_p/min_p is not supported")
+                return Problem(NotImplementedError, "batch_invariant=True with top_k/top_p/min_p is not supported "
+                                                    "(their thresholds are not made in a fixed order): pass the "
+                                                    "engine's kept ids as support= instead")
         return None
     if masks.top_k is not None or masks.top_p is not None or masks.min_p is not None:
         return Problem(ValueError, "pass either support= (the engine's kept ids) or top_k/top_p/min_p (rebuilt "
                                    "from the logits), not both")
-    if batch_invariant:
-        return Problem(NotImplementedError, "batch_invariant=True with support= is not supported")
     if not isinstance(support, torch.Tensor):
         return Problem(TypeError, f"support must be a tensor, got {type(support).__name__}")
     if support.dtype != torch.int64:
@@ -175,15 +182,36 @@ class SetRows:
         return cls(cols, kept, t_here.to(torch.uint8).argmax(-1) if k_loc else torch.zeros_like(target),
                    t_here.any(-1), valid, in_set, full, t_full.clamp(0, max(lay.local_size - 1, 0)), full_owned)
 
+    def over_shard(self, width: int) -> "SetRows":
+        """These rows' sets over the whole ``width``-column shard (the batch-invariant mode's, whose
+        row sums must run over a width fixed by the shard, not by the chunk's largest set):
+        ``kept [c, width]`` marks the kept ids (every column of a whole-vocabulary row), ``tpos``
+        the target's local column; no rows apart (``full`` empty) and no ``cols``."""
+        c, dev = self.valid.shape[0], self.valid.device
+        hits = torch.zeros((c, width), dtype=torch.int32, device=dev)
+        hits.scatter_add_(1, self.cols, self.kept.to(torch.int32))  # (a column not kept adds 0)
+        kept = hits > 0
+        kept[self.full] = True
+        tcol = self.cols.gather(1, self.tpos.unsqueeze(1)).squeeze(1) if self.cols.shape[1] else \
+            torch.zeros_like(self.tpos)
+        t_owned = self.t_owned.clone()
+        tcol[self.full], t_owned[self.full] = self.full_t, self.full_owned
+        none = self.full[:0]
+        return replace(self, cols=self.cols[:, :0], kept=kept, tpos=tcol, t_owned=t_owned, full=none,
+                       full_t=none, full_owned=t_owned[:0])
+
 
 class _Chunk:
     """A chunk's set logits ``[c, K_loc]`` (``-inf`` off the kept ids) and whole-vocab rows'
     logits ``[f, V_loc]`` (``-inf`` below their mask's threshold), in the logits' dtype."""
 
-    def __init__(self, rows: SetRows, set_x: torch.Tensor, full_x: torch.Tensor | None):
+    def __init__(self, rows: SetRows, set_x: torch.Tensor, full_x: torch.Tensor | None, ops=None):
         self.rows = rows
         self.set_x = set_x.masked_fill(~rows.kept, float("-inf"))
         self.full_x = full_x
+        # the row steps: the torch reference, or the batch-invariant mode's (over whole shard rows)
+        self.local_stats = local_stats if ops is None else ops.local_stats
+        self.grad_logits = grad_logits if ops is None else ops.grad_logits
 
     def masked(self, call: Call, masks: SamplingMasks, tau: torch.Tensor | None):
         """Apply the masks' thresholds to the whole-vocab rows (made here in forward: ``tau``
@@ -198,7 +226,7 @@ class _Chunk:
 
     def stats(self, call: Call) -> ChunkStats:
         r = self.rows
-        st = local_stats(self.set_x, r.tpos, r.t_owned, call.spec)
+        st = self.local_stats(self.set_x, r.tpos, r.t_owned, call.spec)
         if self.full_x is not None and r.full.numel():
             st_f = local_stats(self.full_x, r.full_t, r.full_owned, call.spec)
             st = ChunkStats(*(None if a is None else a.index_copy(0, r.full, b) for a, b in zip(st, st_f)))
@@ -207,7 +235,7 @@ class _Chunk:
     def grads(self, call: Call, m: torch.Tensor, coefs: GradCoefs):
         """``(d set_x [c, K_loc], d full_x [f, V_loc] or None)`` in the compute dtype."""
         r, cdt = self.rows, m.dtype
-        d_set = grad_logits(self.set_x, r.tpos, r.t_owned, m, coefs, call.spec, cdt)
+        d_set = self.grad_logits(self.set_x, r.tpos, r.t_owned, m, coefs, call.spec, cdt)
         d_full = None
         if self.full_x is not None and r.full.numel():
             sub = GradCoefs(*(None if k is None else k[r.full] for k in coefs))
@@ -251,8 +279,7 @@ class SetLogprobs(torch.autograd.Function):
         for c in range(len(rows)):
             sl = rows.local[c]
             sr = SetRows.of(support[sl], target[sl], call)
-            x_c = x[sl]
-            ch = _Chunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None)
+            ch = _logits_chunk(call, sr, x[sl])
             logp, ent, kept = _chunk_outputs(ch, sr, call, masks)
             outs.append((logp, ent))
             saved.append(kept)
@@ -268,18 +295,29 @@ class SetLogprobs(torch.autograd.Function):
         dx = torch.zeros_like(x)
         for c, (sr, tau, m, log_s, ent) in enumerate(ctx.saved):
             sl = ctx.rows.local[c]
-            x_c = x[sl]
-            ch = _Chunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None)
+            ch = _logits_chunk(call, sr, x[sl])
             ch.masked(call, ctx.masks, tau)
             coefs = _coefs(None if g_logp is None else g_logp[sl], None if g_entropy is None else g_entropy[sl],
                            sr, ent, log_s, call)
             d_set, d_full = ch.grads(call, m, coefs)
-            d = torch.zeros(x_c.shape, dtype=d_set.dtype, device=x.device)
+            if call.batch_invariant:  # the whole shard's columns already
+                dx[sl] = d_set.to(x.dtype)
+                continue
+            d = torch.zeros(x[sl].shape, dtype=d_set.dtype, device=x.device)
             d.scatter_add_(1, sr.cols, d_set)  # kept columns are distinct in a row; the rest add 0
             if d_full is not None:
                 d[sr.full] = d_full
             dx[sl] = d.to(x.dtype)
         return dx, None, None, None, None, None
+
+
+def _logits_chunk(call: Call, sr: SetRows, x_c: torch.Tensor) -> "_Chunk":
+    """A chunk of given logits: the kept ids' columns and the whole-vocab rows; in the
+    batch-invariant mode the whole shard's logits masked to the set (:meth:`SetRows.over_shard`)
+    and that mode's row steps."""
+    if call.batch_invariant:
+        return _Chunk(sr.over_shard(x_c.shape[1]), x_c, None, call.ops(x_c))
+    return _Chunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None)
 
 
 def _kept_for_backward(ctx, call: Call, masks: SamplingMasks, rows: Rows, saved: list, outs: list):
@@ -295,7 +333,7 @@ def _chunk_outputs(ch: _Chunk, sr: SetRows, call: Call, masks: SamplingMasks):
     """One chunk's ``(logp, entropy)`` over its sets (the masks applied, the statistics joined over
     the group) and what its backward reads again: ``(rows, mask threshold, max, log-sum, entropy)``."""
     tau = ch.masked(call, masks, None)
-    st = combine(ch.stats(call), call.layout)
+    st = combine(ch.stats(call), call.layout, rank_ordered=call.batch_invariant)
     sr.in_set = sr.in_set & (st.target != float("-inf"))  # a target the masks drop: p = 0
     logp, ent = _outputs(st, sr)
     return logp, ent, (sr, tau, st.max, st.log_s, ent)
@@ -340,6 +378,7 @@ class LinearSetLogprobs(torch.autograd.Function):
         dh = torch.zeros(h.shape, dtype=acc, device=h.device) if need[0] else None
         dw = torch.zeros(w.shape, dtype=acc, device=w.device) if need[1] else None
         db = torch.zeros(w.shape[0], dtype=acc, device=w.device) if need[2] else None
+        add_dh = invariant_dh(call, w) if call.batch_invariant else None
         for c, (sr, tau, m, log_s, ent) in enumerate(ctx.saved):
             h_c = rows.gather(c, hm)
             ch, gathered = _linear_chunk(call, sr, h_c, wm, bm)
@@ -348,13 +387,16 @@ class LinearSetLogprobs(torch.autograd.Function):
             g_h = None if g_entropy is None else rows.gather(c, g_entropy.reshape(-1))
             coefs = _coefs(g_lp, g_h, sr, ent, log_s, call)
             d_set, d_full = ch.grads(call, m, coefs)
-            dh_c = _linear_grads(sr, d_set, d_full, h_c, wm, gathered, dw, db, want_dh=dh is not None)
+            if call.batch_invariant:  # d_set: the whole shard's columns
+                dh_c = _shard_grads(d_set, h_c, wm, dw, db, add_dh, want_dh=dh is not None)
+            else:
+                dh_c = _linear_grads(sr, d_set, d_full, h_c, wm, gathered, dw, db, want_dh=dh is not None)
             if dh is not None and call.sequence_parallel:
                 dh[rows.local[c]] = rows.scatter_grad(c, dh_c)
             elif dh is not None:
                 dh[rows.local[c]] += dh_c
         if dh is not None and not call.sequence_parallel:
-            comm.all_reduce_sum_(dh, call.layout.group)
+            sum_dh_over_ranks(rows, dh)
         out = tuple(None if g is None else g.to(t.dtype) for g, t in ((dh, h), (dw, w), (db, b)))
         return out + (None,) * 5
 
@@ -364,6 +406,9 @@ def _linear_chunk(call: Call, sr: SetRows, h_c, w, b):
     (None in the GEMM mode)."""
     k_loc, width = sr.cols.shape[1], w.shape[0]
     full_x = None
+    if call.batch_invariant:  # the shard's GEMM, masked to the set (the gather's widths vary with the chunk)
+        x_c = lm_logits(call, h_c, w, b)
+        return _Chunk(sr.over_shard(width), x_c, None, call.ops(x_c)), None
     if GATHER_RATIO * k_loc <= width:
         wg = w[sr.cols]  # [c, K_loc, H]
         set_x = _gathered_logits(call, h_c, wg, None if b is None else b[sr.cols])
@@ -418,6 +463,21 @@ def _linear_grads(sr: SetRows, d_set, d_full, h_c, w, gathered, dw, db, *, want_
                 dh_c.index_add_(0, idx, part)
         if dw is not None:
             dw += mm_as(dm.t(), rows_h, acc)
+    return dh_c
+
+
+def _shard_grads(d, h_c, w, dw, db, add_dh, *, want_dh: bool):
+    """The batch-invariant mode's :func:`_linear_grads`: ``d [c, V_loc]`` the chunk's logits'
+    gradient over the whole shard (fp32); ``dh`` rows through ``add_dh``
+    (:func:`~vparallel_ce.chunk_walk.invariant_dh`), ``dW``/``db`` added to their fp32 sums."""
+    if db is not None:
+        db += d.sum(0)
+    dm = d.to(w.dtype)  # the gradient GEMMs' operand, rounded once (as the full op's)
+    dh_c = torch.zeros(h_c.shape, dtype=d.dtype, device=h_c.device) if want_dh else None
+    if want_dh:
+        add_dh(dh_c, dm, w)
+    if dw is not None:
+        dw += mm_as(dm.t(), h_c, d.dtype)
     return dh_c
 
 

@@ -18,7 +18,9 @@ Methods:
 * ``rl_fused:fp32`` -- the same with ``logits_dtype=torch.float32`` (the lm_head GEMM's fp32 result,
   never rounded to bf16); ``rl_fused:invariant`` -- the same with ``batch_invariant=True``;
 * ``loss_op`` -- ``vparallel_ce.linear_cross_entropy(h, W, t)`` (mean), the op the target is set
-  against: ``rl_fused`` should take <= 1.1x its time at the same peak memory;
+  against: ``rl_fused`` should take <= 1.1x its time at the same peak memory; ``loss_op:invariant``
+  -- the same with ``batch_invariant=True``. A ``:invariant`` method's record also has
+  ``x_default_time``, its time over the same method's without the option;
 * ``gathered`` -- the full logits: ``(h @ W.T).float() / T``, ``log_softmax``, gather, entropy
   ``-(p * log p).sum(-1)``, the same loss (what an RL trainer does without a fused op);
   ``compile`` -- that under ``torch.compile``;
@@ -27,9 +29,12 @@ Methods:
   imported as usual; ``--verl-path DIR`` loads just its two kernel files from an unpacked wheel
   (``unzip verl-*.whl 'verl/utils/kernel/*' -d DIR``), without verl's other dependencies.
 
-Run from the repository root::
+Run from the repository root (the second line: ``batch_invariant=True`` against the default at
+Qwen3-8B's lm_head and its TP=8 shard)::
 
     python -m launch.bench.rl --out rl.jsonl   # one GPU, bf16: 8192x4096x128256 and 8192x4096x16032
+    python -m launch.bench.rl --shapes qwen3_8b,qwen3_8b_tp8 \
+        --methods rl_fused,rl_fused:invariant,loss_op,loss_op:invariant --out invariant.jsonl
     python -m launch.bench.rl --smoke          # CPU, tiny shapes (tests/test_bench_rl.py)
     python -m launch.bench.rl --shapes qwen3_8b,qwen3_8b_tp8,qwen3_8b_32k,qwen3_8b_tp8_32k \
         --methods rl_fused,rl_fused:fp32,rl_fused:invariant,verl,compile,gathered --verl-path /tmp/verl
@@ -73,10 +78,15 @@ def _rl_fused_with(**options):
     return fn
 
 
-def _loss_op(h, w, t, adv, temperature, chunks):
-    # at T != 1 the loss op sees W / T (one extra [V, H] tensor in the timing); the default is T = 1
-    loss = vparallel_ce.linear_cross_entropy(h, w if temperature == 1.0 else w / temperature, t, chunks=chunks)
-    return loss, None
+def _loss_op_with(**options):
+    def fn(h, w, t, adv, temperature, chunks):
+        # at T != 1 the loss op sees W / T (one extra [V, H] tensor in the timing); the default is T = 1
+        w_t = w if temperature == 1.0 else w / temperature
+        return vparallel_ce.linear_cross_entropy(h, w_t, t, chunks=chunks, **options), None
+    return fn
+
+
+_loss_op = _loss_op_with()
 
 
 def gathered_logprobs(h, w, t, temperature, dtype=torch.float32):
@@ -141,7 +151,8 @@ def _verl(h, w, t, adv, temperature, chunks):
 
 
 FNS = {"rl_fused": _rl_fused_with(), "rl_fused:fp32": _rl_fused_with(logits_dtype=torch.float32),
-       "rl_fused:invariant": _rl_fused_with(batch_invariant=True), "loss_op": _loss_op, "gathered": _gathered,
+       "rl_fused:invariant": _rl_fused_with(batch_invariant=True), "loss_op": _loss_op,
+       "loss_op:invariant": _loss_op_with(batch_invariant=True), "gathered": _gathered,
        "compile": _compiled, "verl": _verl}
 
 
@@ -225,7 +236,11 @@ def bench_shape(tag, shape, args, device, dtype, emit):
             torch.cuda.empty_cache()
         records.append(rec)
     base = next((r for r in records if r["method"] == "loss_op" and "ms" in r), None)
+    by_method = {r["method"]: r for r in records if "ms" in r}
     for r in records:
+        default = by_method.get(r["method"].removesuffix(":invariant"))
+        if r["method"].endswith(":invariant") and "ms" in r and default is not None:
+            r["x_default_time"] = r["ms"] / default["ms"]
         if base is not None and "ms" in r:
             r["x_loss_op_time"] = r["ms"] / base["ms"]
             if not math.isnan(r["peak_gib"]):

@@ -24,25 +24,26 @@ from dataclasses import replace
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .backend import TORCH_OPS, FusedLinear, KernelBackend
+from .backend import TORCH_OPS, FusedLinear, KernelBackend, RowGemm
 from .config import KernelChoice, KernelSettings, interpreting, settings, use
 from .config import _INTERPRETING  # a constant read at import, tested on every call
 
-__all__ = ["KernelChoice", "KernelSettings", "settings", "use", "KernelBackend", "FusedLinear", "ops_for",
-           "fused_applies", "triton_applies", "target_facts", "word_checksum", "TORCH_OPS", "is_fake"]
+__all__ = ["KernelChoice", "KernelSettings", "settings", "use", "KernelBackend", "FusedLinear", "RowGemm", "ops_for",
+           "invariant_ops", "fused_applies", "triton_applies", "target_facts", "word_checksum",
+           "TORCH_OPS", "is_fake"]
 
 
 # One entry (no arguments): importing Triton takes seconds and a CPU-only process never needs it,
 # so the kernel modules are imported on first use; a failed import is tried once, not on every call.
 @functools.cache
 def _modules():
-    """``(fused_linear, triton_ce, targets)``, or None where Triton is missing or fails to import
-    (then the torch path is kept)."""
+    """``(fused_linear, triton_ce, targets, row_gemm)``, or None where Triton is missing or fails to
+    import (then the torch path is kept)."""
     try:
-        from . import fused_linear, targets, triton_ce
+        from . import fused_linear, row_gemm, targets, triton_ce
     except Exception:
         return None
-    return fused_linear, triton_ce, targets
+    return fused_linear, triton_ce, targets, row_gemm
 
 
 # One entry: the backend is the same object on every call (building it took 1.8 us of host time on
@@ -58,7 +59,7 @@ def _triton_ops(fused: bool):
     modules = _modules()
     if modules is None:
         return None
-    fused_linear, triton_ce, _ = modules
+    fused_linear, triton_ce, *_ = modules
     if not fused:
         return triton_ce.OPS
     return _fused_backend(fused_linear.schedule_covers, fused_linear.linear_stats, fused_linear.GradLogits)
@@ -87,6 +88,33 @@ def ops_for(x, current: KernelSettings | None = None):
         if ops is not None:
             return ops
     return TORCH_OPS
+
+
+# One entry: the same object on every call, as _fused_backend.
+@functools.cache
+def _invariant_backend() -> KernelBackend:
+    _, triton_ce, _, row_gemm = _modules()
+    return replace(triton_ce.OPS, name="invariant:triton", row_gemm=RowGemm(row_gemm.logits, row_gemm.add_rows_mm_))
+
+
+def invariant_ops(device, dtype, current: KernelSettings | None = None) -> KernelBackend | None:
+    """The kernels of ``batch_invariant=True`` for operands of this device and dtype under
+    ``current`` (default the current :func:`settings`), or None where they do not apply (the mode
+    then runs the torch path one fixed tile at a time, :mod:`vparallel_ce.invariant`): the Triton
+    row passes (one program per row) and the lm_head GEMMs of :mod:`.row_gemm` (one fixed tile
+    config, no split-K), never the fused GEMM kernels -- for bf16/fp16 on an sm80+ GPU (``auto`` or
+    ``triton``), and fp32 too under ``TRITON_INTERPRET=1`` with ``triton``."""
+    current = current or settings()
+    if current.choice is KernelChoice.TORCH:
+        return None
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    if not (device.type == "cuda" or (current.choice is KernelChoice.TRITON and _INTERPRETING)):
+        return None
+    modules = _modules()
+    if modules is None or not modules[3].covers(device, dtype):
+        return None
+    return _invariant_backend()
 
 
 def triton_applies(device, dtype, *, current: KernelSettings | None = None) -> bool:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from .. import stats
 from ..divergence import TORCH_STEPS, DistillSteps
 
-__all__ = ["FusedLinear", "KernelBackend", "TORCH_OPS"]
+__all__ = ["FusedLinear", "RowGemm", "KernelBackend", "TORCH_OPS"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,17 @@ class FusedLinear:
     grad_logits_for: Callable
 
 
+@dataclass(frozen=True)
+class RowGemm:
+    """GEMMs whose output row ``i`` depends on input row ``i`` alone, whatever the row count
+    (:mod:`.row_gemm`, the batch-invariant mode's): ``logits(h, w, b, wide)`` is ``h w^T + b`` in
+    ``h``'s dtype or ``wide`` (fp32); ``add_rows_mm_(out, a, b, accumulate=True)`` adds ``a @ b``
+    to fp32 ``out`` (``accumulate=False``: writes it, rounded once into ``out``'s dtype)."""
+
+    logits: Callable
+    add_rows_mm_: Callable
+
+
 @dataclass
 class KernelBackend:
     """One implementation of the per-chunk steps, chosen once per call (:func:`ops_for`), with what
@@ -33,7 +44,8 @@ class KernelBackend:
     out of place); ``fused``: the lm_head GEMM fused with the row passes (None: cuBLAS + them);
     ``distill``: the distillation ops' local passes over a dense teacher's and the student's logits
     (:class:`vparallel_ce.divergence.DistillSteps`); ``reduce``: the per-token losses to the
-    call's output (:func:`vparallel_ce.stats.reduce`)."""
+    call's output (:func:`vparallel_ce.stats.reduce`); ``row_gemm``: the batch-invariant mode's
+    lm_head GEMMs (:class:`RowGemm`; None: that mode's torch GEMMs one tile at a time)."""
 
     name: str
     local_stats: Callable
@@ -44,6 +56,7 @@ class KernelBackend:
     fused: FusedLinear | None = None
     distill: DistillSteps = TORCH_STEPS
     reduce: Callable = stats.reduce
+    row_gemm: RowGemm | None = None
 
 
 TORCH_OPS = KernelBackend("torch", stats.local_stats, stats.grad_logits, stats.loss_stats_grad_, stats.scale_rows)

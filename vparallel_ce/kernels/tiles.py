@@ -101,6 +101,29 @@ def _tma_ok(t: torch.Tensor) -> bool:
             and t.shape[0] > 0)
 
 
+def loads(cfg: TileConfig, *operands: torch.Tensor) -> tuple[TileConfig, bool]:
+    """``cfg`` as a launch over these operands (one dtype, unit column stride) runs it, and whether
+    it loads them with TMA: fp32 operands take half the K tile (the same bytes per pipeline stage);
+    TMA on Hopper (or the interpreter) where every operand's base and row stride are 16-byte
+    aligned, else masked loads, whose address registers leave room for N tiles of 128 at most."""
+    a = operands[0]
+    if a.element_size() == 4 and cfg.block_k > 32:
+        cfg = replace(cfg, block_k=cfg.block_k // 2)
+    on_hopper = _interpreting() or (a.is_cuda and _capability(a.device) >= (9, 0))
+    tma = bool(cfg.tma and TensorDescriptor is not None and on_hopper and all(_tma_ok(t) for t in operands))
+    if not tma:
+        cfg = replace(cfg, block_n=min(cfg.block_n, 128))
+    return cfg, tma
+
+
+def precision(a: torch.Tensor) -> str:
+    """``tl.dot``'s input precision for operands like ``a``: fp32 as torch's matmuls take it (TF32
+    where ``torch.backends.cuda.matmul.allow_tf32``, else IEEE); unused for 16-bit operands."""
+    if a.dtype == torch.float32:
+        return "tf32" if (a.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
+    return "tf32"
+
+
 class _Launch:
     """What the two GEMM kernels share: operand descriptors or pointers, grid, compile options."""
 
@@ -109,19 +132,14 @@ class _Launch:
             h = h.contiguous()
         if w.stride(1) != 1:
             w = w.contiguous()
-        if h.element_size() == 4 and cfg.block_k > 32:
-            cfg = replace(cfg, block_k=cfg.block_k // 2)  # same bytes per pipeline stage
         device = h.device
-        on_hopper = _interpreting() or (h.is_cuda and _capability(device) >= (9, 0))
-        self.tma = bool(cfg.tma and TensorDescriptor is not None and on_hopper and _tma_ok(h) and _tma_ok(w))
+        cfg, self.tma = loads(cfg, h, w)
         if cfg.schedule == "ws" and not _interpreting() and not settings().warp_specialized:
             raise ValueError("schedule='ws' made an illegal memory access with Triton 3.6 on an H200 "
                              "(docs/kernels.md); run it inside vparallel_ce.kernels.use(warp_specialized=True) "
                              "or start the process with VPARALLEL_CE_FUSED_WS=1 to try it anyway")
         if cfg.schedule == "ws" and not self.tma:
             cfg = replace(cfg, schedule="persistent")
-        if not self.tma:
-            cfg = replace(cfg, block_n=min(cfg.block_n, 128))  # masked loads: registers for addresses
         self.tma_store = self.tma and cfg.tma_store
         self.cfg = cfg
         self.h, self.w = h, w
@@ -143,12 +161,8 @@ class _Launch:
             self.n_prog = tiles
         else:
             self.n_prog = max(1, min(tiles, cfg.ctas_per_sm * _sm_count(device)))
-        if h.dtype == torch.float32:
-            prec = "tf32" if (h.is_cuda and torch.backends.cuda.matmul.allow_tf32) else "ieee"
-        else:
-            prec = "tf32"  # unused for 16-bit operands
         self.meta = dict(
-            TMA=self.tma, TMA_STORE=self.tma_store, PREC=prec, SPLIT=bool(cfg.split_store and self.tma_store),
+            TMA=self.tma, TMA_STORE=self.tma_store, PREC=precision(h), SPLIT=bool(cfg.split_store and self.tma_store),
             BM=bm, BN=bn, BK=bk, GROUP_M=cfg.group_m, FLATTEN=cfg.schedule == "persistent", WS=cfg.schedule == "ws",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
