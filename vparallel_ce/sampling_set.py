@@ -9,7 +9,8 @@ and ``d/dz_j`` as the full-vocabulary op's with ``p`` renormalised over ``S`` an
 the math of :mod:`vparallel_ce.stats` over the set's logits with every other entry ``-inf`` (a
 masked entry), so the per-chunk steps are the loss ops' own (:func:`~vparallel_ce.stats.local_stats`,
 :func:`~vparallel_ce.stats.combine`, :func:`~vparallel_ce.stats.grad_logits`) on a ``[c, K_loc]``
-matrix of the kept ids this rank owns instead of its ``[c, V_loc]`` logits.
+matrix of the kept ids this rank owns instead of its ``[c, V_loc]`` logits (one chunk's rows and
+steps: :mod:`vparallel_ce.set_chunk`; the autograd Functions that walk the chunks: here).
 
 **The set.** ``support [N, K]`` int64 GLOBAL ids padded with ``-1`` (a row of ``-1``: the whole
 vocabulary), the same on every rank. Rule for the target: it must be one of its row's ids (a
@@ -33,9 +34,9 @@ the masks) take the GEMM. The rule reads two integers per chunk on the host.
 **Batch invariance** (``batch_invariant=True``, with ``support``): the gather mode's and the set
 matrix's widths follow the chunk's largest set, so a row's sums would too. This mode takes the
 whole shard's logits instead (the mode's own GEMM, :func:`vparallel_ce.gemm.logits`), masked to
-each row's set (``-inf`` off it, :meth:`SetRows.over_shard`), through the mode's row steps over the
-shard's fixed width; the gradient is the shard's ``[c, V_loc]`` and ``dh`` the mode's GEMM. It costs
-what the full-vocabulary op costs. The masks (``top_k`` / ``top_p`` / ``min_p``) are refused with
+each row's set (``-inf`` off it, :meth:`vparallel_ce.set_chunk.SetRows.over_shard`), through the
+mode's row steps over the shard's fixed width; the gradient is the shard's ``[c, V_loc]`` and ``dh``
+the mode's GEMM. It costs what the full-vocabulary op costs. The masks (``top_k`` / ``top_p`` / ``min_p``) are refused with
 it: their thresholds come from sums over the vocabulary and the ranks, and from a candidate count
 that a chunk's rows share, in no fixed order (:mod:`vparallel_ce.sampling_masks`).
 
@@ -44,19 +45,17 @@ Not here: ``torch.compile`` (refused; call the op outside the compiled region).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
 
 from .call import Call
 from .chunk_walk import Rows, invariant_dh, sum_dh_over_ranks
 from .gemm import logits as lm_logits, matmul_inputs, mm_as
-from .sampling_masks import SamplingMasks, thresholds
-from .stats import ChunkStats, GradCoefs, combine, compute_dtype, grad_logits, local_stats, logprob_grad_coefs, \
-    scaled_logits
+from .sampling_masks import SamplingMasks
+from .set_chunk import SetChunk, SetRows, chunk_outputs, set_grad_coefs
+from .stats import compute_dtype
 from .validate import Problem, raise_values_problem
 
-__all__ = ["SetRows", "check_support", "check_support_values", "set_chunks", "set_logprobs", "linear_set_logprobs",
+__all__ = ["check_support", "check_support_values", "set_chunks", "set_logprobs", "linear_set_logprobs",
            "GATHER_RATIO"]
 
 # Gather the kept ids' weight rows when they are at most 1/GATHER_RATIO of the shard: a gathered
@@ -142,123 +141,6 @@ def set_chunks(call: Call, k: int, hidden_size: int, chunks) -> int:
     return max(1, min(n, -(-n * per_row // CHUNK_BYTES)))
 
 
-@dataclass
-class SetRows:
-    """One chunk's rows of the set, mapped to this shard. ``cols [c, K_loc]``: the local column of
-    each kept id this shard owns (first in each row; 0 where none); ``kept``: which are;
-    ``tpos``/``t_owned``: the target's position among them and whether this shard owns it;
-    ``in_set``: a valid token whose target is in its set (any rank's part); ``full``: the rows (of
-    the chunk) over the whole vocab, valid, with ``full_t``/``full_owned`` their targets here."""
-
-    cols: torch.Tensor
-    kept: torch.Tensor
-    tpos: torch.Tensor
-    t_owned: torch.Tensor
-    valid: torch.Tensor
-    in_set: torch.Tensor
-    full: torch.Tensor
-    full_t: torch.Tensor
-    full_owned: torch.Tensor
-
-    @classmethod
-    def of(cls, ids: torch.Tensor, target: torch.Tensor, call: Call) -> "SetRows":
-        lay = call.layout
-        valid = target != call.spec.ignore_index
-        full_row = (ids < 0).all(-1) & valid
-        local = ids - lay.offset
-        owned = (ids >= 0) & (local >= 0) & (local < lay.local_size) & (valid & ~full_row).unsqueeze(-1)
-        is_t = (ids == target.unsqueeze(-1)) & (ids >= 0)
-        in_set = valid & (full_row | is_t.any(-1))
-        k_loc, n_full = (int(v) for v in torch.stack([owned.sum(-1).amax() if ids.numel() else
-                                                      owned.new_zeros((), dtype=torch.int64),
-                                                      full_row.sum()]).tolist())
-        order = owned.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[:, :k_loc]
-        kept = owned.gather(1, order)
-        cols = torch.where(kept, local.gather(1, order), 0)
-        t_here = is_t.gather(1, order) & kept
-        full = full_row.nonzero()[:, 0] if n_full else full_row.new_zeros((0,), dtype=torch.int64)
-        t_full = target[full] - lay.offset
-        full_owned = (t_full >= 0) & (t_full < lay.local_size)
-        return cls(cols, kept, t_here.to(torch.uint8).argmax(-1) if k_loc else torch.zeros_like(target),
-                   t_here.any(-1), valid, in_set, full, t_full.clamp(0, max(lay.local_size - 1, 0)), full_owned)
-
-    def over_shard(self, width: int) -> "SetRows":
-        """These rows' sets over the whole ``width``-column shard (the batch-invariant mode's, whose
-        row sums must run over a width fixed by the shard, not by the chunk's largest set):
-        ``kept [c, width]`` marks the kept ids (every column of a whole-vocabulary row), ``tpos``
-        the target's local column; no rows apart (``full`` empty) and no ``cols``."""
-        c, dev = self.valid.shape[0], self.valid.device
-        hits = torch.zeros((c, width), dtype=torch.int32, device=dev)
-        hits.scatter_add_(1, self.cols, self.kept.to(torch.int32))  # (a column not kept adds 0)
-        kept = hits > 0
-        kept[self.full] = True
-        tcol = self.cols.gather(1, self.tpos.unsqueeze(1)).squeeze(1) if self.cols.shape[1] else \
-            torch.zeros_like(self.tpos)
-        t_owned = self.t_owned.clone()
-        tcol[self.full], t_owned[self.full] = self.full_t, self.full_owned
-        none = self.full[:0]
-        return replace(self, cols=self.cols[:, :0], kept=kept, tpos=tcol, t_owned=t_owned, full=none,
-                       full_t=none, full_owned=t_owned[:0])
-
-
-class _Chunk:
-    """A chunk's set logits ``[c, K_loc]`` (``-inf`` off the kept ids) and whole-vocab rows'
-    logits ``[f, V_loc]`` (``-inf`` below their mask's threshold), in the logits' dtype."""
-
-    def __init__(self, rows: SetRows, set_x: torch.Tensor, full_x: torch.Tensor | None, ops=None):
-        self.rows = rows
-        self.set_x = set_x.masked_fill(~rows.kept, float("-inf"))
-        self.full_x = full_x
-        # the row steps: the torch reference, or the batch-invariant mode's (over whole shard rows)
-        self.local_stats = local_stats if ops is None else ops.local_stats
-        self.grad_logits = grad_logits if ops is None else ops.grad_logits
-
-    def masked(self, call: Call, masks: SamplingMasks, tau: torch.Tensor | None):
-        """Apply the masks' thresholds to the whole-vocab rows (made here in forward: ``tau``
-        None), returning them."""
-        if self.full_x is None or self.full_x.shape[0] == 0:
-            return tau
-        z = scaled_logits(self.full_x, call.spec)
-        if tau is None:
-            tau = thresholds(z, masks, call.layout)
-        self.full_x = self.full_x.masked_fill(z < tau.unsqueeze(-1), float("-inf"))
-        return tau
-
-    def stats(self, call: Call) -> ChunkStats:
-        r = self.rows
-        st = self.local_stats(self.set_x, r.tpos, r.t_owned, call.spec)
-        if self.full_x is not None and r.full.numel():
-            st_f = local_stats(self.full_x, r.full_t, r.full_owned, call.spec)
-            st = ChunkStats(*(None if a is None else a.index_copy(0, r.full, b) for a, b in zip(st, st_f)))
-        return st
-
-    def grads(self, call: Call, m: torch.Tensor, coefs: GradCoefs):
-        """``(d set_x [c, K_loc], d full_x [f, V_loc] or None)`` in the compute dtype."""
-        r, cdt = self.rows, m.dtype
-        d_set = self.grad_logits(self.set_x, r.tpos, r.t_owned, m, coefs, call.spec, cdt)
-        d_full = None
-        if self.full_x is not None and r.full.numel():
-            sub = GradCoefs(*(None if k is None else k[r.full] for k in coefs))
-            d_full = grad_logits(self.full_x, r.full_t, r.full_owned, m[r.full], sub, call.spec, cdt)
-        return d_set, d_full
-
-
-def _outputs(st, rows: SetRows):
-    zero = torch.zeros_like(st.lse)
-    logp = torch.where(rows.in_set, (st.target - st.max) - st.log_s, zero)
-    logp = torch.where(rows.valid & ~rows.in_set, float("-inf"), logp)
-    entropy = torch.where(rows.valid, st.entropy, zero) if st.entropy is not None else zero
-    return logp, entropy
-
-
-def _coefs(g_logp, g_entropy, rows: SetRows, entropy, log_s, call: Call) -> GradCoefs:
-    """As the full-vocabulary op's; a target outside its set (check=False) takes no log-prob gradient."""
-    g_lp = torch.zeros_like(log_s) if g_logp is None else torch.where(rows.in_set, g_logp.to(log_s.dtype), 0.0)
-    g_h = None
-    if g_entropy is not None and call.spec.entropy:
-        g_h = torch.where(rows.valid, g_entropy.to(log_s.dtype), 0.0)
-    return logprob_grad_coefs(g_lp, g_h, entropy, log_s, rows.valid)
-
 
 def _masks(call_options) -> SamplingMasks:
     return SamplingMasks(call_options.top_k, call_options.top_p, call_options.min_p)
@@ -280,7 +162,7 @@ class SetLogprobs(torch.autograd.Function):
             sl = rows.local[c]
             sr = SetRows.of(support[sl], target[sl], call)
             ch = _logits_chunk(call, sr, x[sl])
-            logp, ent, kept = _chunk_outputs(ch, sr, call, masks)
+            logp, ent, kept = chunk_outputs(ch, sr, call, masks)
             outs.append((logp, ent))
             saved.append(kept)
         ctx.save_for_backward(x)
@@ -297,7 +179,7 @@ class SetLogprobs(torch.autograd.Function):
             sl = ctx.rows.local[c]
             ch = _logits_chunk(call, sr, x[sl])
             ch.masked(call, ctx.masks, tau)
-            coefs = _coefs(None if g_logp is None else g_logp[sl], None if g_entropy is None else g_entropy[sl],
+            coefs = set_grad_coefs(None if g_logp is None else g_logp[sl], None if g_entropy is None else g_entropy[sl],
                            sr, ent, log_s, call)
             d_set, d_full = ch.grads(call, m, coefs)
             if call.batch_invariant:  # the whole shard's columns already
@@ -311,13 +193,13 @@ class SetLogprobs(torch.autograd.Function):
         return dx, None, None, None, None, None
 
 
-def _logits_chunk(call: Call, sr: SetRows, x_c: torch.Tensor) -> "_Chunk":
+def _logits_chunk(call: Call, sr: SetRows, x_c: torch.Tensor) -> SetChunk:
     """A chunk of given logits: the kept ids' columns and the whole-vocab rows; in the
     batch-invariant mode the whole shard's logits masked to the set (:meth:`SetRows.over_shard`)
     and that mode's row steps."""
     if call.batch_invariant:
-        return _Chunk(sr.over_shard(x_c.shape[1]), x_c, None, call.ops(x_c))
-    return _Chunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None)
+        return SetChunk(sr.over_shard(x_c.shape[1]), x_c, None, call.ops(x_c))
+    return SetChunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None)
 
 
 def _kept_for_backward(ctx, call: Call, masks: SamplingMasks, rows: Rows, saved: list, outs: list):
@@ -329,14 +211,6 @@ def _kept_for_backward(ctx, call: Call, masks: SamplingMasks, rows: Rows, saved:
     return logp, ent
 
 
-def _chunk_outputs(ch: _Chunk, sr: SetRows, call: Call, masks: SamplingMasks):
-    """One chunk's ``(logp, entropy)`` over its sets (the masks applied, the statistics joined over
-    the group) and what its backward reads again: ``(rows, mask threshold, max, log-sum, entropy)``."""
-    tau = ch.masked(call, masks, None)
-    st = combine(ch.stats(call), call.layout, rank_ordered=call.batch_invariant)
-    sr.in_set = sr.in_set & (st.target != float("-inf"))  # a target the masks drop: p = 0
-    logp, ent = _outputs(st, sr)
-    return logp, ent, (sr, tau, st.max, st.log_s, ent)
 
 
 class LinearSetLogprobs(torch.autograd.Function):
@@ -354,7 +228,7 @@ class LinearSetLogprobs(torch.autograd.Function):
             s_c = rows.gather(c, support, fill=-1)
             sr = SetRows.of(s_c, t_c, call)
             ch, gathered = _linear_chunk(call, sr, h_c, wm, bm)
-            logp, ent, kept = _chunk_outputs(ch, sr, call, masks)
+            logp, ent, kept = chunk_outputs(ch, sr, call, masks)
             outs.append((rows.own(c, logp), rows.own(c, ent)))
             saved.append(kept)
         ctx.save_for_backward(h, w, b, target, support)
@@ -385,7 +259,7 @@ class LinearSetLogprobs(torch.autograd.Function):
             ch.masked(call, ctx.masks, tau)
             g_lp = None if g_logp is None else rows.gather(c, g_logp.reshape(-1))
             g_h = None if g_entropy is None else rows.gather(c, g_entropy.reshape(-1))
-            coefs = _coefs(g_lp, g_h, sr, ent, log_s, call)
+            coefs = set_grad_coefs(g_lp, g_h, sr, ent, log_s, call)
             d_set, d_full = ch.grads(call, m, coefs)
             if call.batch_invariant:  # d_set: the whole shard's columns
                 dh_c = _shard_grads(d_set, h_c, wm, dw, db, add_dh, want_dh=dh is not None)
@@ -402,21 +276,21 @@ class LinearSetLogprobs(torch.autograd.Function):
 
 
 def _linear_chunk(call: Call, sr: SetRows, h_c, w, b):
-    """The chunk's :class:`_Chunk` and, in the gather mode, the gathered weight rows ``[c, K_loc, H]``
+    """The chunk's :class:`~vparallel_ce.set_chunk.SetChunk` and, in the gather mode, the gathered weight rows ``[c, K_loc, H]``
     (None in the GEMM mode)."""
     k_loc, width = sr.cols.shape[1], w.shape[0]
     full_x = None
     if call.batch_invariant:  # the shard's GEMM, masked to the set (the gather's widths vary with the chunk)
         x_c = lm_logits(call, h_c, w, b)
-        return _Chunk(sr.over_shard(width), x_c, None, call.ops(x_c)), None
+        return SetChunk(sr.over_shard(width), x_c, None, call.ops(x_c)), None
     if GATHER_RATIO * k_loc <= width:
         wg = w[sr.cols]  # [c, K_loc, H]
         set_x = _gathered_logits(call, h_c, wg, None if b is None else b[sr.cols])
         if sr.full.numel():
             full_x = lm_logits(call, h_c[sr.full], w, b)
-        return _Chunk(sr, set_x, full_x), wg
+        return SetChunk(sr, set_x, full_x), wg
     x_c = lm_logits(call, h_c, w, b)
-    return _Chunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None), None
+    return SetChunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None), None
 
 
 def _gathered_logits(call: Call, h_c, wg, bg):
