@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from . import comm, kernels
+from . import comm
 from .autocast import autocast_dtype
 from .dtensor import is_dtensor
 from .options import Options

@@ -148,8 +148,10 @@ def fused_applies(device, dtype, *, entropy: bool = False, temperature: float = 
     if device.type != "cuda" or _triton_ops(True) is None:
         return False
     fl = _modules()[0]
+    from .tiles import _capability  # (loaded with the Triton modules just above)
+
     return (dtype in fl.SCHEDULE_DTYPES and fl.takes_options(entropy=entropy, temperature=temperature)
-            and fl._capability(device) >= (8, 0))
+            and _capability(device) >= (8, 0))
 
 
 def target_facts(target, ignore_index: int, vocab_size: int | None = None, *, out=None):
