@@ -13,15 +13,22 @@ ROOT = Path(__file__).resolve().parents[1]
 ROW_RE = re.compile(r"^\| (smoke\S*) \| (\S+) \| ([0-9.]+) \|", re.M)
 
 
-def run_smoke(module: str, out: Path, *args: str, timeout: float = 240) -> tuple[set, list[dict]]:
-    """``python -m module --smoke --out out *args`` with no GPU visible; asserts exit 0. Returns the
-    ``(shape, method)`` rows of its final table that hold a time, and the JSON records written."""
+def run_bench(module: str, out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python -m module --smoke --out out *args`` with no GPU visible and this checkout
+    importable; asserts exit 0 and returns the finished process."""
     env = dict(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-m", module, "--smoke", "--out", str(out), *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
+def run_smoke(module: str, out: Path, *args: str, timeout: float = 240) -> tuple[set, list[dict]]:
+    """:func:`run_bench`, then the ``(shape, method)`` rows of its final table that hold a time, and
+    the JSON records written."""
+    proc = run_bench(module, out, *args, timeout=timeout)
     rows = {(m.group(1), m.group(2)) for m in ROW_RE.finditer(proc.stdout)}
     return rows, [json.loads(line) for line in out.read_text().splitlines()]
 

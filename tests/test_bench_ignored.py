@@ -9,27 +9,17 @@ ones at the fp32 level. The timings mean nothing here; the GPU run is in docs/be
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_smoke import run_bench
+
 OPS, FRACTIONS, METHODS = ("ce", "logprobs", "distill"), (0.0, 0.5), ("uncompacted", "compacted", "default")
 ROW_RE = re.compile(r"^\| smoke \| (\S+) \| ([0-9.]+) \| 0 \| (\S+) \| ([0-9.]+) \|", re.M)
 
 
 def test_bench_ignored_smoke_on_cpu(tmp_path):
-    env = dict(os.environ)
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     out = tmp_path / "bench_ignored.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "launch.bench.ignored", "--smoke", "--shapes", "smoke", "--ignored",
-                           "0,0.5", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=180, stdin=subprocess.DEVNULL)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    proc = run_bench("launch.bench.ignored", out, "--shapes", "smoke", "--ignored", "0,0.5", timeout=180)
     rows = {(m.group(1), float(m.group(2)), m.group(3)): float(m.group(4)) for m in ROW_RE.finditer(proc.stdout)}
     assert set(rows) == {(o, f, m) for o in OPS for f in FRACTIONS for m in METHODS}, proc.stdout[-3000:]
     assert all(ms > 0 for ms in rows.values()), rows

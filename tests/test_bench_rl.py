@@ -8,27 +8,18 @@ gathered computation at the bf16 level. The timings mean nothing here; the GPU r
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_smoke import run_bench
+
 METHODS = ("rl_fused", "loss_op", "gathered")
 SHAPES = ("smoke", "smoke_odd")
 ROW_RE = re.compile(r"^\| (smoke\S*) \| (\S+) \| ([0-9.]+) \|", re.M)
 
 
 def test_bench_rl_smoke_on_cpu(tmp_path):
-    env = dict(os.environ)
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     out = tmp_path / "bench_rl.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "launch.bench.rl", "--smoke", "--out", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    proc = run_bench("launch.bench.rl", out, timeout=120)
     rows = {(m.group(1), m.group(2)): float(m.group(3)) for m in ROW_RE.finditer(proc.stdout)}
     assert set(rows) == {(s, m) for s in SHAPES for m in METHODS}, proc.stdout[-3000:]
     assert all(ms > 0 for ms in rows.values()), rows

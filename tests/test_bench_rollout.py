@@ -7,23 +7,13 @@ the set op's logp and dh agree with the float64 reference (fp32 here). Timings m
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_smoke import run_bench
 
 
 def test_bench_rollout_smoke_on_cpu(tmp_path):
-    env = dict(os.environ)
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     out = tmp_path / "rollout.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "launch.bench.rollout", "--smoke", "--out", str(out)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    proc = run_bench("launch.bench.rollout", out, timeout=180)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     got = {(r["shape"], r["method"]) for r in records}
     want = {(s, m) for s in ("smoke", "smoke-tp4") for m in ("set:4", "set:16", "full")}

@@ -6,21 +6,13 @@ here; the GPU run is in docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.bench_smoke import run_bench
 
 
 def test_bench_step_smoke_on_cpu(tmp_path):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     out = tmp_path / "step.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "launch.bench.step", "--smoke", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run_bench("launch.bench.step", out)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["loss"] for r in rows] == ["plain", "ours", "ours:token:1"], rows
     values = [r["loss_value"] for r in rows]

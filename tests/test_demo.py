@@ -84,9 +84,15 @@ def assert_ok(stdout: str) -> None:
 def train(tmp_path: Path, nproc: int, *args: str) -> dict[int, float]:
     """Run the demo under torchrun, check its verdict and return {step: loss}."""
     proc = run(torchrun_cmd(nproc, "--master-port", str(free_port()), str(DEMO), *COMMON, *args), cwd=tmp_path)
+    return checked_curve(proc)
+
+
+def checked_curve(proc: subprocess.CompletedProcess) -> dict[int, float]:
+    """A finished demo run's {step: loss}, once it exited 0 with its verdict OK and no throughput
+    lines (none on CPU)."""
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert_ok(proc.stdout)
-    assert "tflops" not in proc.stdout and "mfu" not in proc.stdout  # no throughput lines on CPU
+    assert "tflops" not in proc.stdout and "mfu" not in proc.stdout
     return parse_losses(proc.stdout)
 
 
@@ -114,11 +120,8 @@ def reference(tmp_path_factory) -> dict[int, float]:
 
 
 def _reference_curve(tmp: Path) -> dict[int, float]:
-    proc = run([sys.executable, str(DEMO), *COMMON, "--dp", "1", "--loss", "naive"], cwd=tmp,
-               MASTER_PORT=str(free_port()))
-    assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    assert_ok(proc.stdout)
-    curve = parse_losses(proc.stdout)
+    curve = checked_curve(run([sys.executable, str(DEMO), *COMMON, "--dp", "1", "--loss", "naive"], cwd=tmp,
+                              MASTER_PORT=str(free_port())))
     assert all(0 < v < 10 for v in curve.values()), curve
     return curve
 
