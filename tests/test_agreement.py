@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import vparallel_ce
-from tests.dist import errors_of, run_ranks
+from tests.dist import PG_TIMEOUT, errors_of, run_ranks
 from tests.reference import shard
 
 N, V, H = 6, 13, 4
@@ -132,7 +132,9 @@ def test_every_disagreement_raises_on_every_rank_within_seconds_and_names_each_v
         for name, words in expected.items():
             error, seconds = errors[name]
             assert error is not None, f"{name}: rank {rank} did not raise"
-            assert seconds < 10, f"{name}: rank {rank} took {seconds:.1f}s"
+            # well under the collectives' own timeout (what a rank left waiting would take), with
+            # room for a loaded machine: 8 s alone, 12 s beside a full test run on a GPU host
+            assert seconds < PG_TIMEOUT.total_seconds() / 2, f"{name}: rank {rank} took {seconds:.1f}s"
             for word in words:
                 assert word in error, f"{name}: rank {rank}: {word!r} not in {error!r}"
     assert len({r["after"] for r in results}) == 1

@@ -252,6 +252,17 @@ def _tp_check(world, path, device):
     torch.testing.assert_close(logits, dense(ids).logits, rtol=1e-10, atol=1e-10)
 
 
+def _ranks_share_an_accelerator(world: int) -> bool:
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    return accelerator is not None and torch.accelerator.device_count() < world
+
+
+# HF's TP forward gathers the lm_head's logits with torch's functional all-gather; over gloo with
+# two ranks on one CUDA device that gather crashes the process (torch 2.11, a segfault in
+# wait_tensor). HF's TP on an accelerator is made for NCCL and one device per rank, so with fewer
+# devices than ranks the case is left to the CPU run.
+@pytest.mark.skipif(_ranks_share_an_accelerator(2), reason="HF's TP needs one accelerator per rank (NCCL); "
+                                                           "the CPU run covers this case")
 def test_hf_tensor_parallel_matches_world_1(tmp_path):
     from tests.dist import run_ranks
 
