@@ -1,0 +1,174 @@
+"""The sampling set's gather mode on each token's own weight rows: the Triton kernels
+(:mod:`vparallel_ce.kernels.gathered_rows`) against the torch version
+(:mod:`vparallel_ce.gathered_rows`), and the linear set op through them against float64.
+
+On CPU the kernels run under Triton's interpreter in a fresh subprocess (``TRITON_INTERPRET=1`` must
+be set before triton is imported; :func:`tests.test_kernels._run_interpreted`), fp32 at tiny sizes:
+padding (``-1``) entries whose ``d`` is NaN (never read, never added to row 0), ids repeated across
+rows, a chunk with no kept ids, an empty shard, ``dW`` over several chunks into a base sum and
+``db`` alone; then the op with ``kernels.use("triton")`` against ``kernels.use("torch")`` in both
+modes, with a whole-vocabulary (``-1``) row and a bias. With CUDA: bf16 at a moderate size against
+the float64 reference, both modes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tests.test_kernels import HAS_TRITON, ROOT, _run_interpreted
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+_KERNEL_CHECKS = textwrap.dedent(
+    r"""
+    import os
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    import torch
+    from vparallel_ce import gathered_rows as ref
+    from vparallel_ce.kernels import gathered_rows as tk
+
+    def close(a, b, what):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+    g = torch.Generator().manual_seed(0)
+    ran = 0
+    # (tokens, kept ids per row, shard rows, hidden size): H not a multiple of the tiles, K past one
+    # block of ids, a chunk with no kept ids, an empty shard
+    for c, k, v, hd in ((5, 3, 7, 40), (4, 19, 30, 300), (3, 0, 7, 8), (3, 2, 0, 8)):
+        h = torch.randn(c, hd, generator=g)
+        w = torch.randn(v, hd, generator=g)
+        b = torch.randn(v, generator=g)
+        cols = torch.randint(0, max(v, 1), (c, k), generator=g) if v else torch.full((c, k), -1)
+        if k and v:
+            cols[0, -1] = -1                      # padding / an id of another shard
+            cols[1] = cols[0].clamp(min=0)        # ids repeated across rows (row 0 among them)
+            cols[-1, 0] = 0
+        pad = cols < 0
+        d = torch.randn(c, k, generator=g).masked_fill(pad, float("nan"))  # a pad's d is never read
+        name = f"c={c} K={k} V={v} H={hd}"
+        for bias in (None, b):
+            x, x_ref = tk.logits(h, w, bias, cols, torch.float32), ref.logits(h, w, bias, cols, torch.float32)
+            close(x[~pad], x_ref[~pad], f"{name} logits bias={bias is not None}")
+        close(tk.hidden_grad(d, cols, w), ref.hidden_grad(d, cols, w), f"{name} dh")
+        # dW over two chunks (the second: other rows) into a base sum, rounded to fp32; and db alone
+        h2, d2 = torch.randn(2, hd, generator=g), torch.randn(2, k, generator=g)
+        cols2 = cols[:2].flip(0).contiguous()
+        d2 = d2.masked_fill(cols2 < 0, float("nan"))
+        parts = [(d, cols, h), (d2, cols2, h2)]
+        base = torch.randn(v, hd, generator=g)
+        for with_base in (False, True):
+            db, db_ref = torch.ones(v), torch.ones(v)
+            got = tk.weight_grad(parts, (v, hd), torch.float32, base.clone() if with_base else None, db)
+            want = ref.weight_grad(parts, (v, hd), torch.float32, base.clone() if with_base else None, db_ref)
+            close(got, want, f"{name} dW base={with_base}")
+            close(db, db_ref, f"{name} db")
+            assert torch.isfinite(got).all() and torch.isfinite(db).all(), name  # no pad added anywhere
+        db, db_ref = torch.zeros(v), torch.zeros(v)
+        assert tk.weight_grad(parts, (v, hd), None, None, db) is None
+        ref.weight_grad(parts, (v, hd), None, None, db_ref)
+        close(db, db_ref, f"{name} db alone")
+        ran += 1
+    assert tk.GATHERED.name == "triton"
+    print("GATHERED_ROWS_OK", ran)
+    """
+)
+
+# The linear set op on each backend (kernels.use) in both modes (GATHER_RATIO), values and the
+# gradients of hidden, weight and bias: the Triton kernels' against the torch version's.
+_OP_CHECKS = textwrap.dedent(
+    r"""
+    import sys
+    import torch
+    import vparallel_ce
+    from vparallel_ce import kernels, sampling_set
+
+    dev = sys.argv[1]
+    g = torch.Generator().manual_seed(1)
+    n, hd, v, k = 12, 40, 50, 5
+    h = torch.randn(n, hd, generator=g).to(dev)
+    w = (torch.randn(v, hd, generator=g) * 0.3).to(dev)
+    b = torch.randn(v, generator=g).to(dev)
+    t = torch.randint(0, v, (n,), generator=g)
+    sup = torch.stack([torch.cat([t[i:i+1], (t[i] + 1 + torch.randperm(v - 1, generator=g)[:k - 1]) % v])
+                       for i in range(n)])
+    sup[2, 3:] = -1     # padding
+    sup[5] = -1         # the whole vocabulary
+    t[7] = -100         # ignored
+    t, sup = t.to(dev), sup.to(dev)
+    with kernels.use("triton"):
+        assert kernels.ops_for(w).gathered.name == "triton"
+    out = {}
+    for mode, ratio in (("gather", 1), ("gemm", 10**9)):
+        sampling_set.GATHER_RATIO = ratio
+        for choice in ("triton", "torch"):
+            with kernels.use(choice):
+                leaves = [a.clone().requires_grad_() for a in (h, w, b)]
+                lp, ent = vparallel_ce.linear_token_logprobs(leaves[0], leaves[1], t, leaves[2], support=sup,
+                                                             with_entropy=True, temperature=0.9, chunks=2)
+                grads = torch.autograd.grad((lp * torch.linspace(-1, 1, n, device=dev)).sum() + ent.sum(), leaves)
+                out[mode, choice] = (lp, ent, *grads)
+    for mode in ("gather", "gemm"):
+        for what, a, r in zip(("logp", "entropy", "dh", "dW", "db"), out[mode, "triton"], out[mode, "torch"]):
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"{mode} {what}: {m}")
+    print("GATHERED_OP_OK")
+    """
+)
+
+
+@pytest.mark.slow
+def test_kernels_match_the_torch_version_in_the_interpreter():
+    proc = _run_interpreted(_KERNEL_CHECKS)
+    assert proc.returncode == 0 and "GATHERED_ROWS_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+    proc = _run_interpreted(_OP_CHECKS, "cpu")
+    assert proc.returncode == 0 and "GATHERED_OP_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("k", [20, 200])
+@pytest.mark.parametrize("mode", ["rule", "gather", "gemm"])
+def test_bf16_set_op_on_cuda_matches_float64(k, mode):
+    # N=1024, H=512, V=32000 in bf16 with a bias, two chunks, a whole-vocabulary row and padding:
+    # logp, dh, dW, db against float64 on the bf16 values, in each mode
+    from vparallel_ce import sampling_set
+    import vparallel_ce
+
+    g = torch.Generator().manual_seed(k)
+    n, hd, v = 1024, 512, 32000
+    h = (torch.randn(n, hd, generator=g) / 2).bfloat16()
+    w = (torch.randn(v, hd, generator=g) / hd**0.5 * 4).bfloat16()
+    b = torch.randn(v, generator=g).bfloat16()
+    t = torch.randint(0, v, (n,), generator=g)
+    sup = torch.argsort(torch.rand(n, v, generator=g), -1)[:, :k]
+    sup[:, 0] = torch.where((sup == t[:, None]).any(-1), sup[:, 0], t)
+    sup[3, k // 2:] = -1
+    sup[4] = -1
+    u = torch.randn(n, generator=g, dtype=torch.float64)
+    leaves = [a.double().requires_grad_() for a in (h, w, b)]
+    x = leaves[0] @ leaves[1].T + leaves[2]
+    keep = torch.zeros(n, v, dtype=torch.bool)
+    for i in range(n):
+        row = sup[i][sup[i] >= 0]
+        keep[i, row] = True
+    keep[4] = True
+    want = torch.log_softmax(x.masked_fill(~keep, float("-inf")), -1).gather(1, t[:, None])[:, 0]
+    want_g = torch.autograd.grad((want * u).sum(), leaves)
+    ratio = sampling_set.GATHER_RATIO
+    try:
+        sampling_set.GATHER_RATIO = {"rule": ratio, "gather": 0, "gemm": 10**9}[mode]
+        dev = [a.cuda().requires_grad_() for a in (h, w, b)]
+        lp = vparallel_ce.linear_token_logprobs(dev[0], dev[1], t.cuda(), dev[2], support=sup.cuda(), chunks=2)
+        got_g = torch.autograd.grad((lp.double() * u.cuda()).sum(), dev)
+    finally:
+        sampling_set.GATHER_RATIO = ratio
+    rel = lambda a, r: ((a.double().cpu() - r).abs().max() / r.abs().max()).item()  # noqa: E731
+    assert rel(lp, want.detach()) < 2e-2, ("logp", rel(lp, want.detach()))
+    for what, a, r in zip(("dh", "dW", "db"), got_g, want_g):
+        assert rel(a, r) < 2e-2, (what, rel(a, r))

@@ -1,0 +1,195 @@
+r"""The lm_head over each token's own weight rows (Triton): the gather mode of
+``linear_token_logprobs(..., support=ids)`` (:mod:`vparallel_ce.sampling_set`), where a token needs
+the logits of its ``K`` kept ids only. ``cols [c, K]`` holds, per token, the local weight rows of its
+kept ids and ``-1`` where none (padding, ids of other shards); a ``-1`` entry reads and adds nothing.
+
+* :func:`logits` -- ``x[n, k] = h[n] . w[cols[n, k]] (+ b[cols[n, k]])``: one program per (token,
+  block of ``K``) walks ``H``; the products are summed in fp32 and rounded once to the output dtype
+  (the bias added in fp32 first);
+* :func:`hidden_grad` -- ``dh[n] = sum_k d[n, k] w[cols[n, k]]`` in fp32: one program per (token,
+  block of ``H``) walks the token's ``K`` rows;
+* :func:`weight_grad` -- ``dW[v] = sum_{(n, k): cols[n, k] = v} d[n, k] h[n]`` (and ``db[v] +=
+  sum d[n, k]``) over ALL the call's chunks at once, after the last: their ``(row, pair)`` list
+  sorted by row once (a stable ``torch.sort``), the start of each weight row's run found by
+  ``torch.searchsorted`` (no host read), then one program per (weight row, block of ``H``) sums its
+  own pairs in fp32, in sorted order, and writes the row it alone owns, rounded once to ``dW``'s
+  dtype -- no atomics, no fp32 ``[V, H]`` buffer read and written per chunk, and the same bits on
+  every run.
+
+None of them makes the ``[c, K, H]`` gathered rows: each gathered row is read from memory once per
+pass and used at once. What they cost and when they beat the shard's GEMM: the rule in
+:mod:`vparallel_ce.sampling_set`. Operands: bf16 / fp16 / fp32 (one dtype for ``h`` and ``w``), on
+a CUDA GPU or under ``TRITON_INTERPRET=1``; anything else runs the torch version
+(:mod:`vparallel_ce.gathered_rows`), which is also the reference the tests hold these to.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import gathered_rows as torch_rows
+from .backend import GatheredRows
+from .config import interpreting
+
+__all__ = ["GATHERED", "logits", "hidden_grad", "weight_grad"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Tiles. A program holds a [rows, BLOCK_H] tile of gathered rows (16 x 256 / 16 x 512 elements: 32 or
+# 64 fp32 registers a thread at 4 warps); the loads of one row are BLOCK_H contiguous elements.
+_LOGITS_BK, _LOGITS_BH = 16, 256
+_DH_BK, _DH_BH = 16, 512
+_DW_BP, _DW_BH = 16, 512
+_WARPS = 4
+
+
+@triton.jit(do_not_specialize=["c", "K"])
+def _logits_kernel(H_, W_, B_, COLS, X_, c, K, HD, s_h, s_w, s_c, s_x,
+                   HAS_BIAS: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    ks = tl.program_id(1) * BK + tl.arange(0, BK)
+    kin = ks < K
+    cols = tl.load(COLS + n * s_c + ks, mask=kin, other=-1)
+    ok = cols >= 0
+    hs = tl.arange(0, BH)
+    acc = tl.zeros((BK,), dtype=tl.float32)
+    for h0 in range(0, HD, BH):
+        hin = h0 + hs < HD
+        hv = tl.load(H_ + n * s_h + h0 + hs, mask=hin, other=0.0).to(tl.float32)
+        wt = tl.load(W_ + cols[:, None] * s_w + (h0 + hs)[None, :], mask=ok[:, None] & hin[None, :], other=0.0)
+        acc += tl.sum(wt.to(tl.float32) * hv[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(B_ + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(X_ + n * s_x + ks, acc.to(X_.dtype.element_ty), mask=kin)
+
+
+@triton.jit(do_not_specialize=["c", "K"])
+def _dh_kernel(D_, COLS, W_, DH, c, K, HD, s_d, s_c, s_w, s_dh, BK: tl.constexpr, BH: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    hs = tl.program_id(1) * BH + tl.arange(0, BH)
+    hin = hs < HD
+    kk = tl.arange(0, BK)
+    acc = tl.zeros((BH,), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kin = k0 + kk < K
+        cols = tl.load(COLS + n * s_c + k0 + kk, mask=kin, other=-1)
+        ok = cols >= 0
+        d = tl.load(D_ + n * s_d + k0 + kk, mask=ok, other=0.0).to(tl.float32)  # (a pad's d is never read)
+        wt = tl.load(W_ + cols[:, None] * s_w + hs[None, :], mask=ok[:, None] & hin[None, :], other=0.0)
+        acc += tl.sum(wt.to(tl.float32) * d[:, None], axis=0)
+    tl.store(DH + n * s_dh + hs, acc, mask=hin)
+
+
+@triton.jit(do_not_specialize=["V"])
+def _dw_kernel(STARTS, ORDER, D_, ROWS, H_, BASE, OUT, DB, V, HD, s_h, s_base, s_out,
+               HAS_BASE: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, BP: tl.constexpr,
+               BH: tl.constexpr):
+    v = tl.program_id(0).to(tl.int64)
+    hs = tl.program_id(1) * BH + tl.arange(0, BH)
+    hin = hs < HD
+    start = tl.load(STARTS + v)
+    end = tl.load(STARTS + v + 1)
+    pp = tl.arange(0, BP)
+    acc = tl.zeros((BH,), dtype=tl.float32)
+    dsum = tl.zeros((BP,), dtype=tl.float32)
+    for p0 in range(start, end, BP):
+        pin = p0 + pp < end
+        pair = tl.load(ORDER + p0 + pp, mask=pin, other=0)
+        d = tl.load(D_ + pair, mask=pin, other=0.0)
+        dsum += d
+        if HAS_DW:
+            n = tl.load(ROWS + pair, mask=pin, other=0)
+            hv = tl.load(H_ + n[:, None] * s_h + hs[None, :], mask=pin[:, None] & hin[None, :], other=0.0)
+            acc += tl.sum(hv.to(tl.float32) * d[:, None], axis=0)
+    if HAS_DW:  # every row written, a row without pairs as its base (or 0)
+        if HAS_BASE:
+            acc += tl.load(BASE + v * s_base + hs, mask=hin, other=0.0)
+        tl.store(OUT + v * s_out + hs, acc.to(OUT.dtype.element_ty), mask=hin)
+    if HAS_DB:
+        if tl.program_id(1) == 0:
+            has = end > start
+            tl.store(DB + v, tl.load(DB + v, mask=has, other=0.0) + tl.sum(dsum, axis=0), mask=has)
+
+
+# --------------------------------------------------------------------------------------------- host
+
+
+def _covered(*ts: torch.Tensor) -> bool:
+    """Operands these kernels take: one 16-bit or fp32 dtype, on CUDA or under the interpreter."""
+    first = ts[0]
+    return (first.dtype in _DTYPES and all(t.dtype == first.dtype for t in ts)
+            and all(t.is_cuda or interpreting() for t in ts))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cols: torch.Tensor,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """``[c, K]`` logits ``h[n] . w[cols[n, k]] (+ b)`` in ``out_dtype``; entries with ``cols = -1``
+    are garbage (0) the caller masks. ``h [c, H]``, ``w [V, H]``, ``b [V]`` or None, ``cols [c, K]``
+    int64."""
+    c, k = cols.shape
+    if not _covered(h, w) or c == 0 or k == 0 or h.shape[1] == 0:
+        return torch_rows.logits(h, w, b, cols, out_dtype)
+    h, w, cols = _rows(h), _rows(w), _rows(cols)
+    x = torch.empty((c, k), dtype=out_dtype, device=h.device)
+    _logits_kernel[(c, triton.cdiv(k, _LOGITS_BK))](
+        h, w, b if b is not None else w, cols, x, c, k, h.shape[1], h.stride(0), w.stride(0), cols.stride(0),
+        x.stride(0), HAS_BIAS=b is not None, BK=_LOGITS_BK, BH=_LOGITS_BH, num_warps=_WARPS)
+    return x
+
+
+def hidden_grad(d: torch.Tensor, cols: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``dh [c, H]`` fp32: ``sum_k d[n, k] w[cols[n, k]]`` over the entries with ``cols >= 0``;
+    ``d [c, K]`` fp32."""
+    c, k = cols.shape
+    hd = w.shape[1]
+    if not _covered(w) or d.dtype != torch.float32 or c == 0 or k == 0 or hd == 0:
+        return torch_rows.hidden_grad(d, cols, w)
+    d, cols, w = _rows(d), _rows(cols), _rows(w)
+    dh = torch.empty((c, hd), dtype=torch.float32, device=w.device)
+    _dh_kernel[(c, triton.cdiv(hd, _DH_BH))](d, cols, w, dh, c, k, hd, d.stride(0), cols.stride(0), w.stride(0),
+                                             dh.stride(0), BK=_DH_BK, BH=_DH_BH, num_warps=_WARPS)
+    return dh
+
+
+def weight_grad(parts, shape: tuple[int, int], out_dtype: torch.dtype | None, base: torch.Tensor | None = None,
+                db: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``dW [V, H]`` in ``out_dtype`` (None: no ``dW``, only ``db``): ``base`` (fp32, or 0) plus, per
+    weight row ``v``, ``sum d[n, k] h[n]`` over the entries with ``cols[n, k] = v`` of every chunk
+    ``(d [c, K] fp32, cols [c, K], h [c, H])`` in ``parts`` -- one fp32 sum per row over all the
+    chunks, rounded once; ``db [V]`` (fp32) gets ``sum d[n, k]`` added. Entries with ``cols = -1`` add
+    nothing. ``base`` may be overwritten."""
+    v, hd = shape
+    hs = [h for _, _, h in parts]
+    if (not parts or not _covered(*hs) or any(d.dtype != torch.float32 for d, _, _ in parts) or v == 0 or hd == 0
+            or (base is not None and (base.dtype != torch.float32 or not base.is_contiguous()))
+            or (db is not None and (db.dtype != torch.float32 or not db.is_contiguous()))):
+        return torch_rows.weight_grad(parts, shape, out_dtype, base, db)
+    dev = hs[0].device
+    d = torch.cat([d.reshape(-1) for d, _, _ in parts])
+    # each pair's row of h: the chunks' hidden rows stacked (one chunk: its own rows, no copy)
+    h = _rows(hs[0]) if len(hs) == 1 else torch.cat(hs)
+    offsets, rows = 0, []
+    for dp, _, hp in parts:
+        rows.append((torch.arange(dp.shape[0], device=dev) + offsets).repeat_interleave(dp.shape[1]))
+        offsets += hp.shape[0]
+    rows = torch.cat(rows)
+    # the pairs by weight row, pads (-1) moved past the last row so that no row's run holds them
+    keys = torch.cat([torch.where(cols >= 0, cols, v).reshape(-1) for _, cols, _ in parts])
+    keys, order = torch.sort(keys, stable=True)
+    starts = torch.searchsorted(keys, torch.arange(v + 1, device=dev, dtype=keys.dtype))
+    out = None if out_dtype is None else torch.empty(shape, dtype=out_dtype, device=dev)
+    n_h = 1 if out is None else triton.cdiv(hd, _DW_BH)
+    _dw_kernel[(v, n_h)](starts, order, d, rows, h, base if base is not None else d, out if out is not None else d,
+                         db if db is not None else d, v, hd, h.stride(0), 0 if base is None else base.stride(0),
+                         0 if out is None else out.stride(0), HAS_BASE=base is not None, HAS_DW=out is not None,
+                         HAS_DB=db is not None, BP=_DW_BP, BH=_DW_BH, num_warps=_WARPS)
+    return out
+
+
+GATHERED = GatheredRows("triton", logits, hidden_grad, weight_grad)
