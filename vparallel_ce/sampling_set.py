@@ -39,7 +39,7 @@ of HBM plus ~24 bytes of fp32 traffic, so the gather wins while ``K_loc`` is bel
 of ``V_loc``; :data:`GATHER_RATIO` = 160 (``launch.bench.rollout --set-modes`` times both modes).
 The gather mode keeps its ``[c, K_loc]`` logits from the forward for the backward (no second
 gather). Rows with the whole vocabulary (``-1`` rows, or the masks) take the GEMM. The rule reads two
-integers per chunk on the host, for every chunk before the first chunk's kernels.
+integers per chunk on the host, all of them at once before the first chunk's kernels.
 
 **Batch invariance** (``batch_invariant=True``, with ``support``): the gather mode's and the set
 matrix's widths follow the chunk's largest set, so a row's sums would too. This mode takes the
@@ -245,10 +245,10 @@ class LinearSetLogprobs(torch.autograd.Function):
     def forward(ctx, h, w, b, target, support, call: Call, masks: SamplingMasks, chunks: int):
         hm, wm, bm = matmul_inputs(call, h, w, b)
         rows = Rows(call, chunks)
-        # every chunk's rows of the set first: each reads two integers on the host, which waits for
-        # the GPU; here it waits for these small steps alone, not for the chunks' kernels
-        srs = [SetRows.of(rows.gather(c, support, fill=-1), rows.gather(c, target, fill=call.spec.ignore_index), call)
-               for c in range(len(rows))]
+        # every chunk's rows of the set first, with one host read of their widths: it waits for these
+        # small steps alone, not for the chunks' kernels
+        srs = SetRows.of_chunks([(rows.gather(c, support, fill=-1), rows.gather(c, target, fill=call.spec.ignore_index))
+                                 for c in range(len(rows))], call)
         outs, saved, set_xs = [], [], []
         for c, sr in enumerate(srs):
             h_c = rows.gather(c, hm)
@@ -304,7 +304,7 @@ class LinearSetLogprobs(torch.autograd.Function):
                 dh[rows.local[c]] += dh_c
         if dh is not None and not call.sequence_parallel:
             sum_dh_over_ranks(rows, dh)
-        if parts:  # the gather mode's dW (into the GEMM mode's sum, if any) and db, rounded once
+        if parts or (need[1] and dw is None):  # the gather mode's dW (into the GEMM mode's sum, if any) and db
             dw = gathered.weight_grad(parts, tuple(w.shape), w.dtype if need[1] else None, dw, db)
         out = tuple(None if g is None else g.to(t.dtype) for g, t in ((dh, h), (dw, w), (db, b)))
         return out + (None,) * 5

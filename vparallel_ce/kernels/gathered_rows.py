@@ -37,12 +37,13 @@ __all__ = ["GATHERED", "logits", "hidden_grad", "weight_grad"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# Tiles. A program holds a [rows, BLOCK_H] tile of gathered rows (16 x 256 / 16 x 512 elements: 32 or
-# 64 fp32 registers a thread at 4 warps); the loads of one row are BLOCK_H contiguous elements.
-_LOGITS_BK, _LOGITS_BH = 16, 256
-_DH_BK, _DH_BH = 16, 512
-_DW_BP, _DW_BH = 16, 512
-_WARPS = 4
+# Tiles. A program holds a [rows, BLOCK_H] tile of gathered rows and an fp32 accumulator of the same
+# shape (summed across its rows or columns once, at the end: no cross-thread reduction per step);
+# the loads of one row are BLOCK_H contiguous elements. 16 x 256 at 4 warps and 16 x 512 / 8 x 1024
+# at 8 warps: 32 fp32 accumulator registers a thread.
+_LOGITS_BK, _LOGITS_BH, _LOGITS_WARPS = 16, 256, 4
+_DH_BK, _DH_BH, _DH_WARPS = 16, 512, 8
+_DW_BP, _DW_BH, _DW_WARPS = 8, 1024, 8  # wide: at small K most weight rows have one pair or none
 
 
 @triton.jit(do_not_specialize=["c", "K"])
@@ -54,12 +55,13 @@ def _logits_kernel(H_, W_, B_, COLS, X_, c, K, HD, s_h, s_w, s_c, s_x,
     cols = tl.load(COLS + n * s_c + ks, mask=kin, other=-1)
     ok = cols >= 0
     hs = tl.arange(0, BH)
-    acc = tl.zeros((BK,), dtype=tl.float32)
+    acc2 = tl.zeros((BK, BH), dtype=tl.float32)
     for h0 in range(0, HD, BH):
         hin = h0 + hs < HD
         hv = tl.load(H_ + n * s_h + h0 + hs, mask=hin, other=0.0).to(tl.float32)
         wt = tl.load(W_ + cols[:, None] * s_w + (h0 + hs)[None, :], mask=ok[:, None] & hin[None, :], other=0.0)
-        acc += tl.sum(wt.to(tl.float32) * hv[None, :], axis=1)
+        acc2 += wt.to(tl.float32) * hv[None, :]
+    acc = tl.sum(acc2, axis=1)
     if HAS_BIAS:
         acc += tl.load(B_ + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(X_ + n * s_x + ks, acc.to(X_.dtype.element_ty), mask=kin)
@@ -71,15 +73,15 @@ def _dh_kernel(D_, COLS, W_, DH, c, K, HD, s_d, s_c, s_w, s_dh, BK: tl.constexpr
     hs = tl.program_id(1) * BH + tl.arange(0, BH)
     hin = hs < HD
     kk = tl.arange(0, BK)
-    acc = tl.zeros((BH,), dtype=tl.float32)
+    acc2 = tl.zeros((BK, BH), dtype=tl.float32)
     for k0 in range(0, K, BK):
         kin = k0 + kk < K
         cols = tl.load(COLS + n * s_c + k0 + kk, mask=kin, other=-1)
         ok = cols >= 0
         d = tl.load(D_ + n * s_d + k0 + kk, mask=ok, other=0.0).to(tl.float32)  # (a pad's d is never read)
         wt = tl.load(W_ + cols[:, None] * s_w + hs[None, :], mask=ok[:, None] & hin[None, :], other=0.0)
-        acc += tl.sum(wt.to(tl.float32) * d[:, None], axis=0)
-    tl.store(DH + n * s_dh + hs, acc, mask=hin)
+        acc2 += wt.to(tl.float32) * d[:, None]
+    tl.store(DH + n * s_dh + hs, tl.sum(acc2, axis=0), mask=hin)
 
 
 @triton.jit(do_not_specialize=["V"])
@@ -92,7 +94,7 @@ def _dw_kernel(STARTS, ORDER, D_, ROWS, H_, BASE, OUT, DB, V, HD, s_h, s_base, s
     start = tl.load(STARTS + v)
     end = tl.load(STARTS + v + 1)
     pp = tl.arange(0, BP)
-    acc = tl.zeros((BH,), dtype=tl.float32)
+    acc2 = tl.zeros((BP, BH), dtype=tl.float32)
     dsum = tl.zeros((BP,), dtype=tl.float32)
     for p0 in range(start, end, BP):
         pin = p0 + pp < end
@@ -102,8 +104,9 @@ def _dw_kernel(STARTS, ORDER, D_, ROWS, H_, BASE, OUT, DB, V, HD, s_h, s_base, s
         if HAS_DW:
             n = tl.load(ROWS + pair, mask=pin, other=0)
             hv = tl.load(H_ + n[:, None] * s_h + hs[None, :], mask=pin[:, None] & hin[None, :], other=0.0)
-            acc += tl.sum(hv.to(tl.float32) * d[:, None], axis=0)
+            acc2 += hv.to(tl.float32) * d[:, None]
     if HAS_DW:  # every row written, a row without pairs as its base (or 0)
+        acc = tl.sum(acc2, axis=0)
         if HAS_BASE:
             acc += tl.load(BASE + v * s_base + hs, mask=hin, other=0.0)
         tl.store(OUT + v * s_out + hs, acc.to(OUT.dtype.element_ty), mask=hin)
@@ -139,7 +142,7 @@ def logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cols: torch
     x = torch.empty((c, k), dtype=out_dtype, device=h.device)
     _logits_kernel[(c, triton.cdiv(k, _LOGITS_BK))](
         h, w, b if b is not None else w, cols, x, c, k, h.shape[1], h.stride(0), w.stride(0), cols.stride(0),
-        x.stride(0), HAS_BIAS=b is not None, BK=_LOGITS_BK, BH=_LOGITS_BH, num_warps=_WARPS)
+        x.stride(0), HAS_BIAS=b is not None, BK=_LOGITS_BK, BH=_LOGITS_BH, num_warps=_LOGITS_WARPS)
     return x
 
 
@@ -153,7 +156,7 @@ def hidden_grad(d: torch.Tensor, cols: torch.Tensor, w: torch.Tensor) -> torch.T
     d, cols, w = _rows(d), _rows(cols), _rows(w)
     dh = torch.empty((c, hd), dtype=torch.float32, device=w.device)
     _dh_kernel[(c, triton.cdiv(hd, _DH_BH))](d, cols, w, dh, c, k, hd, d.stride(0), cols.stride(0), w.stride(0),
-                                             dh.stride(0), BK=_DH_BK, BH=_DH_BH, num_warps=_WARPS)
+                                             dh.stride(0), BK=_DH_BK, BH=_DH_BH, num_warps=_DH_WARPS)
     return dh
 
 
@@ -188,7 +191,7 @@ def weight_grad(parts, shape: tuple[int, int], out_dtype: torch.dtype | None, ba
     _dw_kernel[(v, n_h)](starts, order, d, rows, h, base if base is not None else d, out if out is not None else d,
                          db if db is not None else d, v, hd, h.stride(0), 0 if base is None else base.stride(0),
                          0 if out is None else out.stride(0), HAS_BASE=base is not None, HAS_DW=out is not None,
-                         HAS_DB=db is not None, BP=_DW_BP, BH=_DW_BH, num_warps=_WARPS)
+                         HAS_DB=db is not None, BP=_DW_BP, BH=_DW_BH, num_warps=_DW_WARPS)
     return out
 
 
