@@ -51,14 +51,18 @@ _KERNEL_CHECKS = textwrap.dedent(
         pad = cols < 0
         d = torch.randn(c, k, generator=g).masked_fill(pad, float("nan"))  # a pad's d is never read
         name = f"c={c} K={k} V={v} H={hd}"
-        for bias in (None, b):
-            x, x_ref = tk.logits(h, w, bias, cols, torch.float32), ref.logits(h, w, bias, cols, torch.float32)
-            close(x[~pad], x_ref[~pad], f"{name} logits bias={bias is not None}")
-        close(tk.hidden_grad(d, cols, w), ref.hidden_grad(d, cols, w), f"{name} dh")
-        # dW over two chunks (the second: other rows) into a base sum, rounded to fp32; and db alone
+        # a second chunk: other hidden rows, the first chunk's ids in another order
         h2, d2 = torch.randn(2, hd, generator=g), torch.randn(2, k, generator=g)
         cols2 = cols[:2].flip(0).contiguous()
         d2 = d2.masked_fill(cols2 < 0, float("nan"))
+        for bias in (None, b):  # the logits of both chunks in one launch
+            xs = tk.logits([(cols, h), (cols2, h2)], w, bias, torch.float32)
+            xs_ref = ref.logits([(cols, h), (cols2, h2)], w, bias, torch.float32)
+            for x, x_ref, kept in zip(xs, xs_ref, (~pad, cols2 >= 0)):
+                assert x.shape == x_ref.shape, name
+                close(x[kept], x_ref[kept], f"{name} logits bias={bias is not None}")
+        close(tk.hidden_grad(d, cols, w), ref.hidden_grad(d, cols, w), f"{name} dh")
+        # dW over both chunks into a base sum, rounded to fp32; and db alone
         parts = [(d, cols, h), (d2, cols2, h2)]
         base = torch.randn(v, hd, generator=g)
         for with_base in (False, True):

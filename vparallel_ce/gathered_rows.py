@@ -9,8 +9,8 @@ Triton version, which makes none of the gathered rows: :mod:`vparallel_ce.kernel
     dh[n]    = sum_k d[n, k] w[cols[n, k]]
     dW[v]    = sum over the chunks and their (n, k) with cols[n, k] = v of d[n, k] h[n],   db[v] += sum d[n, k]
 
-Here the rows are gathered (``[c, K, H]``) and the products summed by ``bmm`` / ``index_add_``:
-``O(c K H)`` memory, which the caller's chunks bound.
+Here the rows are gathered (``[c, K, H]``) and the products summed by ``bmm`` / ``index_add_``, a
+chunk at a time: ``O(c K H)`` memory, which the caller's chunks bound.
 """
 
 from __future__ import annotations
@@ -27,13 +27,16 @@ def _gathered(w: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return w[cols.clamp(min=0)].masked_fill_((cols < 0).unsqueeze(-1), 0)
 
 
-def logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cols: torch.Tensor,
-           out_dtype: torch.dtype) -> torch.Tensor:
-    """``[c, K]`` in ``out_dtype`` (the products summed in ``out_dtype``, or in the operands' dtype
-    and cast), the bias added in it; 0 (or the bias of row 0) where ``cols = -1``."""
+def logits(parts, w: torch.Tensor, b: torch.Tensor | None, out_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each chunk's ``[c, K]`` logits for the chunks ``(cols [c, K], h [c, H])`` of ``parts``, in
+    ``out_dtype`` (the products summed in ``out_dtype``, or in the operands' dtype and cast), the
+    bias added in it; 0 (or the bias of row 0) where ``cols = -1``."""
     wide = out_dtype if torch.finfo(out_dtype).bits > torch.finfo(w.dtype).bits else w.dtype
-    x = torch.bmm(_gathered(w, cols).to(wide), h.to(wide).unsqueeze(-1)).squeeze(-1).to(out_dtype)
-    return x if b is None or b.shape[0] == 0 else x + b[cols.clamp(min=0)].to(out_dtype)
+    out = []
+    for cols, h in parts:
+        x = torch.bmm(_gathered(w, cols).to(wide), h.to(wide).unsqueeze(-1)).squeeze(-1).to(out_dtype)
+        out.append(x if b is None or b.shape[0] == 0 else x + b[cols.clamp(min=0)].to(out_dtype))
+    return out
 
 
 def hidden_grad(d: torch.Tensor, cols: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -29,13 +29,15 @@ checked after it, on every rank alike. The masks add their own exchanges (their 
 any row has in this shard, :func:`gathers` picks the mode: where ``GATHER_RATIO * K_loc <= V_loc``
 the gather mode takes each token's own weight rows (:class:`~vparallel_ce.kernels.GatheredRows` of
 the call's kernel backend: on a GPU the Triton kernels of :mod:`vparallel_ce.kernels.gathered_rows`,
-which never make the ``[c, K_loc, H]`` rows -- logits per (token, block of ids), ``dh`` per (token,
-block of ``H``), and ``dW`` once for all the chunks, after the last, per (weight row, block of
-``H``) over the pairs sorted by row, no atomics; elsewhere the torch version,
-:mod:`vparallel_ce.gathered_rows`); else one GEMM over the shard (``O(c V_loc H)``) and a gather of
-its columns. The rule: a kept pair costs the kernels three passes over a row of ``H`` at memory
-speed, ``3 x 2H`` bytes, the GEMM mode four GEMMs per logit, ``4 x 2H`` FLOPs at ~200 FLOPs per byte
-of HBM plus ~24 bytes of fp32 traffic, so the gather wins while ``K_loc`` is below ~1/130 to 1/150
+which never make the ``[c, K_loc, H]`` rows -- the logits of all the gather mode's chunks in one
+pass in weight-row order (each weight row read once), ``dh`` per (token, block of ``H``), and
+``dW`` once for all the chunks, after the last, per (weight row, block of ``H``) over the pairs
+sorted by row, no atomics; elsewhere the torch version, :mod:`vparallel_ce.gathered_rows`, a chunk
+at a time); else one GEMM over the shard (``O(c V_loc H)``) and a gather of its columns. The rule:
+a kept pair costs the kernels at most three reads of a row of ``H`` at memory speed (``3 x 2H``
+bytes; the logits pass reads each weight row once and the hidden rows mostly from cache), the GEMM
+mode four GEMMs per logit (forward, recompute, ``dh``, ``dW``: ``4 x 2H`` FLOPs at ~200 FLOPs per byte
+of HBM) plus ~24 bytes of fp32 traffic, so the gather wins while ``K_loc`` is below ~1/130 to 1/150
 of ``V_loc``; :data:`GATHER_RATIO` = 160 (``launch.bench.rollout --set-modes`` times both modes).
 The gather mode keeps its ``[c, K_loc]`` logits from the forward for the backward (no second
 gather). Rows with the whole vocabulary (``-1`` rows, or the masks) take the GEMM. The rule reads two
@@ -249,16 +251,26 @@ class LinearSetLogprobs(torch.autograd.Function):
         # small steps alone, not for the chunks' kernels
         srs = SetRows.of_chunks([(rows.gather(c, support, fill=-1), rows.gather(c, target, fill=call.spec.ignore_index))
                                  for c in range(len(rows))], call)
-        outs, saved, set_xs = [], [], []
+        # the gather mode's logits of all its chunks in one pass over the weight (GatheredRows.logits),
+        # kept for the backward (no second gather); with sequence parallelism these chunks' gathered
+        # hidden rows are held together for it
+        hcs = {c: rows.gather(c, hm) for c, sr in enumerate(srs)
+               if not call.batch_invariant and gathers(sr.cols.shape[1], wm.shape[0])}
+        set_xs = [None] * len(srs)
+        if hcs:
+            xs = call.ops(wm).gathered.logits([(_kept_cols(srs[c]), h_c) for c, h_c in hcs.items()], wm, bm,
+                                              call.logits_dtype or hm.dtype)
+            for c, x in zip(hcs, xs):
+                set_xs[c] = x
+        outs, saved = [], []
         for c, sr in enumerate(srs):
-            h_c = rows.gather(c, hm)
-            ch, set_x = _linear_chunk(call, sr, h_c, wm, bm)
+            h_c = hcs[c] if c in hcs else rows.gather(c, hm)
+            ch = _linear_chunk(call, sr, h_c, wm, bm, set_xs[c])
             logp, ent, kept = chunk_outputs(ch, sr, call, masks)
             outs.append((rows.own(c, logp), rows.own(c, ent)))
             saved.append(kept)
-            set_xs.append(set_x)
         ctx.save_for_backward(h, w, b, target, support)
-        ctx.set_xs = set_xs  # the gather mode's [c, K_loc] logits, kept (the backward reads them, no second gather)
+        ctx.set_xs = set_xs  # the gather mode's [c, K_loc] logits (None: the GEMM mode's chunk)
         return _kept_for_backward(ctx, call, masks, rows, saved, outs)
 
     @staticmethod
@@ -287,7 +299,8 @@ class LinearSetLogprobs(torch.autograd.Function):
         add_dh = invariant_dh(call, w) if call.batch_invariant else None
         for c, (sr, tau, m, log_s, ent) in enumerate(ctx.saved):
             h_c = rows.gather(c, hm)
-            ch, set_x = _linear_chunk(call, sr, h_c, wm, bm, kept=ctx.set_xs[c])
+            set_x = ctx.set_xs[c]
+            ch = _linear_chunk(call, sr, h_c, wm, bm, set_x)
             ch.masked(call, ctx.masks, tau)
             g_lp = None if g_logp is None else rows.gather(c, g_logp.reshape(-1))
             g_h = None if g_entropy is None else rows.gather(c, g_entropy.reshape(-1))
@@ -321,26 +334,19 @@ def _kept_cols(sr: SetRows) -> torch.Tensor:
     return sr.cols.masked_fill(~sr.kept, -1)
 
 
-_RULE = object()  # _linear_chunk's mode from the rule (the forward); the backward follows the forward's
-
-
-def _linear_chunk(call: Call, sr: SetRows, h_c, w, b, kept=_RULE):
-    """The chunk's :class:`~vparallel_ce.set_chunk.SetChunk` and, in the gather mode, the set's
-    logits ``[c, K_loc]`` as made (None in the GEMM mode). ``kept``: the forward's (the backward's
-    mode is the forward's: the gather mode where they are not None)."""
-    k_loc, width = sr.cols.shape[1], w.shape[0]
-    full_x = None
+def _linear_chunk(call: Call, sr: SetRows, h_c, w, b, set_x):
+    """The chunk's :class:`~vparallel_ce.set_chunk.SetChunk`: in the gather mode (``set_x``, its
+    kept ids' logits ``[c, K_loc]``, not None) those and the whole-vocab rows' GEMM, else the
+    shard's GEMM and a gather of its columns (or, batch-invariant, the GEMM masked to the set)."""
+    width = w.shape[0]
     if call.batch_invariant:  # the shard's GEMM, masked to the set (the gather's widths vary with the chunk)
         x_c = lm_logits(call, h_c, w, b)
-        return SetChunk(sr.over_shard(width), x_c, None, call.ops(x_c)), None
-    if gathers(k_loc, width) if kept is _RULE else kept is not None:
-        set_x = kept if kept is not _RULE else call.ops(w).gathered.logits(
-            h_c, w, b, _kept_cols(sr), call.logits_dtype or h_c.dtype)
-        if sr.full.numel():
-            full_x = lm_logits(call, h_c[sr.full], w, b)
-        return SetChunk(sr, set_x, full_x), set_x
+        return SetChunk(sr.over_shard(width), x_c, None, call.ops(x_c))
+    if set_x is not None:
+        full_x = lm_logits(call, h_c[sr.full], w, b) if sr.full.numel() else None
+        return SetChunk(sr, set_x, full_x)
     x_c = lm_logits(call, h_c, w, b)
-    return SetChunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None), None
+    return SetChunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None)
 
 
 def _linear_grads(sr: SetRows, d_set, d_full, h_c, w, gathered: GatheredRows | None, dw, db, parts: list, *,

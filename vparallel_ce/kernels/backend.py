@@ -41,10 +41,11 @@ class RowGemm:
 @dataclass(frozen=True)
 class GatheredRows:
     """The lm_head over each token's own weight rows (the sampling set's gather mode,
-    :mod:`vparallel_ce.gathered_rows` for the math): with ``cols [c, K]`` local weight rows per token
-    (``-1``: none), ``logits(h, w, b, cols, out_dtype) -> x [c, K]``, ``hidden_grad(d, cols, w) ->
-    dh [c, H]`` (fp32 for fp32 ``d``) and ``weight_grad(parts, shape, out_dtype, base, db) -> dW``
-    over all of a call's chunks ``(d, cols, h)`` at once, its fp32 sums rounded once (``db`` added to)."""
+    :mod:`vparallel_ce.gathered_rows` for the math), over chunks with ``cols [c, K]`` local weight
+    rows per token (``-1``: none): ``logits(parts, w, b, out_dtype) -> [x [c, K]]`` of the chunks
+    ``(cols, h)``, all at once; ``hidden_grad(d, cols, w) -> dh [c, H]`` of one chunk (fp32 for fp32
+    ``d``); ``weight_grad(parts, shape, out_dtype, base, db) -> dW`` of the chunks ``(d, cols, h)``,
+    all at once, its fp32 sums rounded once (``db`` added to)."""
 
     name: str
     logits: Callable

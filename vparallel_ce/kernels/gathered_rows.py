@@ -3,9 +3,12 @@ r"""The lm_head over each token's own weight rows (Triton): the gather mode of
 the logits of its ``K`` kept ids only. ``cols [c, K]`` holds, per token, the local weight rows of its
 kept ids and ``-1`` where none (padding, ids of other shards); a ``-1`` entry reads and adds nothing.
 
-* :func:`logits` -- ``x[n, k] = h[n] . w[cols[n, k]] (+ b[cols[n, k]])``: one program per (token,
-  block of ``K``) walks ``H``; the products are summed in fp32 and rounded once to the output dtype
-  (the bias added in fp32 first);
+* :func:`logits` -- ``x[n, k] = h[n] . w[cols[n, k]] (+ b[cols[n, k]])`` for all the chunks of a
+  call at once, in weight-row order (the pairs sorted as for ``dW`` below): one program per weight
+  row reads its row once and dots it with the hidden rows of its pairs (``[N, H]``, small beside
+  the weight, so mostly from cache); the products are summed in fp32 and rounded once to the
+  output dtype (the bias added in fp32 first). A row of the weight is read from memory once per
+  call instead of once per pair: at ``K = 512`` of ``V = 151936`` each row serves ~28 tokens;
 * :func:`hidden_grad` -- ``dh[n] = sum_k d[n, k] w[cols[n, k]]`` in fp32: one program per (token,
   block of ``H``) walks the token's ``K`` rows;
 * :func:`weight_grad` -- ``dW[v] = sum_{(n, k): cols[n, k] = v} d[n, k] h[n]`` (and ``db[v] +=
@@ -16,14 +19,16 @@ kept ids and ``-1`` where none (padding, ids of other shards); a ``-1`` entry re
   dtype -- no atomics, no fp32 ``[V, H]`` buffer read and written per chunk, and the same bits on
   every run.
 
-None of them makes the ``[c, K, H]`` gathered rows: each gathered row is read from memory once per
-pass and used at once. What they cost and when they beat the shard's GEMM: the rule in
+None of them makes the ``[c, K, H]`` gathered rows: each gathered row is read once per pass and
+used at once; only :func:`hidden_grad` reads a weight row from memory once per pair. What they cost and when they beat the shard's GEMM: the rule in
 :mod:`vparallel_ce.sampling_set`. Operands: bf16 / fp16 / fp32 (one dtype for ``h`` and ``w``), on
 a CUDA GPU or under ``TRITON_INTERPRET=1``; anything else runs the torch version
 (:mod:`vparallel_ce.gathered_rows`), which is also the reference the tests hold these to.
 """
 
 from __future__ import annotations
+
+from itertools import accumulate
 
 import torch
 import triton
@@ -41,30 +46,33 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # shape (summed across its rows or columns once, at the end: no cross-thread reduction per step);
 # the loads of one row are BLOCK_H contiguous elements. 16 x 256 at 4 warps and 16 x 512 / 8 x 1024
 # at 8 warps: 32 fp32 accumulator registers a thread.
-_LOGITS_BK, _LOGITS_BH, _LOGITS_WARPS = 16, 256, 4
+_LOGITS_BP, _LOGITS_BH, _LOGITS_WARPS = 16, 256, 4
 _DH_BK, _DH_BH, _DH_WARPS = 16, 512, 8
 _DW_BP, _DW_BH, _DW_WARPS = 8, 1024, 8  # wide: at small K most weight rows have one pair or none
 
 
-@triton.jit(do_not_specialize=["c", "K"])
-def _logits_kernel(H_, W_, B_, COLS, X_, c, K, HD, s_h, s_w, s_c, s_x,
-                   HAS_BIAS: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    ks = tl.program_id(1) * BK + tl.arange(0, BK)
-    kin = ks < K
-    cols = tl.load(COLS + n * s_c + ks, mask=kin, other=-1)
-    ok = cols >= 0
+@triton.jit(do_not_specialize=["V"])
+def _logits_kernel(STARTS, ORDER, ROWS, H_, W_, B_, X_, V, HD, s_h, s_w,
+                   HAS_BIAS: tl.constexpr, BP: tl.constexpr, BH: tl.constexpr):
+    v = tl.program_id(0).to(tl.int64)
+    start = tl.load(STARTS + v)
+    end = tl.load(STARTS + v + 1)
+    pp = tl.arange(0, BP)
     hs = tl.arange(0, BH)
-    acc2 = tl.zeros((BK, BH), dtype=tl.float32)
-    for h0 in range(0, HD, BH):
-        hin = h0 + hs < HD
-        hv = tl.load(H_ + n * s_h + h0 + hs, mask=hin, other=0.0).to(tl.float32)
-        wt = tl.load(W_ + cols[:, None] * s_w + (h0 + hs)[None, :], mask=ok[:, None] & hin[None, :], other=0.0)
-        acc2 += wt.to(tl.float32) * hv[None, :]
-    acc = tl.sum(acc2, axis=1)
-    if HAS_BIAS:
-        acc += tl.load(B_ + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(X_ + n * s_x + ks, acc.to(X_.dtype.element_ty), mask=kin)
+    for p0 in range(start, end, BP):
+        pin = p0 + pp < end
+        pair = tl.load(ORDER + p0 + pp, mask=pin, other=0)
+        n = tl.load(ROWS + pair, mask=pin, other=0)
+        acc2 = tl.zeros((BP, BH), dtype=tl.float32)
+        for h0 in range(0, HD, BH):
+            hin = h0 + hs < HD
+            wv = tl.load(W_ + v * s_w + h0 + hs, mask=hin, other=0.0)  # from cache after the first pairs
+            hv = tl.load(H_ + n[:, None] * s_h + (h0 + hs)[None, :], mask=pin[:, None] & hin[None, :], other=0.0)
+            acc2 += hv.to(tl.float32) * wv.to(tl.float32)[None, :]
+        x = tl.sum(acc2, axis=1)
+        if HAS_BIAS:
+            x += tl.load(B_ + v).to(tl.float32)
+        tl.store(X_ + pair, x.to(X_.dtype.element_ty), mask=pin)
 
 
 @triton.jit(do_not_specialize=["c", "K"])
@@ -130,20 +138,41 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, cols: torch.Tensor,
-           out_dtype: torch.dtype) -> torch.Tensor:
-    """``[c, K]`` logits ``h[n] . w[cols[n, k]] (+ b)`` in ``out_dtype``; entries with ``cols = -1``
-    are garbage (0) the caller masks. ``h [c, H]``, ``w [V, H]``, ``b [V]`` or None, ``cols [c, K]``
-    int64."""
-    c, k = cols.shape
-    if not _covered(h, w) or c == 0 or k == 0 or h.shape[1] == 0:
-        return torch_rows.logits(h, w, b, cols, out_dtype)
-    h, w, cols = _rows(h), _rows(w), _rows(cols)
-    x = torch.empty((c, k), dtype=out_dtype, device=h.device)
-    _logits_kernel[(c, triton.cdiv(k, _LOGITS_BK))](
-        h, w, b if b is not None else w, cols, x, c, k, h.shape[1], h.stride(0), w.stride(0), cols.stride(0),
-        x.stride(0), HAS_BIAS=b is not None, BK=_LOGITS_BK, BH=_LOGITS_BH, num_warps=_LOGITS_WARPS)
-    return x
+class _ByRow:
+    """The chunks' ``(token, id)`` pairs in weight-row order: ``order`` (flat pair indices, the
+    chunks' ``cols`` concatenated, sorted by row, stably), ``starts [V + 1]`` (row ``v``'s pairs are
+    ``order[starts[v]:starts[v + 1]]``; found by ``torch.searchsorted``, no host read), ``rows`` (each
+    pair's row of ``h``, the chunks' hidden rows stacked; one chunk: its own rows, no copy) and
+    ``count`` (the pairs, pads included). A pad (``-1``) is moved past the last row, in no row's run."""
+
+    def __init__(self, cols: list[torch.Tensor], hs: list[torch.Tensor], v: int):
+        dev = hs[0].device
+        self.h = _rows(hs[0]) if len(hs) == 1 else torch.cat(hs)
+        starts = accumulate([h.shape[0] for h in hs[:-1]], initial=0)
+        self.rows = torch.cat([(torch.arange(c.shape[0], device=dev) + off).repeat_interleave(c.shape[1])
+                               for c, off in zip(cols, starts)])
+        keys = torch.cat([torch.where(c >= 0, c, v).reshape(-1) for c in cols]).to(torch.int32)  # (radix: 4 bytes)
+        keys, self.order = torch.sort(keys, stable=True)
+        self.starts = torch.searchsorted(keys, torch.arange(v + 1, device=dev, dtype=torch.int32))
+        self.count = keys.numel()
+
+
+def logits(parts, w: torch.Tensor, b: torch.Tensor | None, out_dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each chunk's ``[c, K]`` logits ``h[n] . w[cols[n, k]] (+ b)`` in ``out_dtype`` for the chunks
+    ``(cols [c, K] int64, h [c, H])`` of ``parts``, all in one launch; entries with ``cols = -1``
+    are 0. ``w [V, H]``, ``b [V]`` or None."""
+    hs = [h for _, h in parts]
+    if not parts or not _covered(w, *hs) or w.shape[0] == 0 or w.shape[1] == 0:
+        return torch_rows.logits(parts, w, b, out_dtype)
+    w = _rows(w)
+    by_row = _ByRow([cols for cols, _ in parts], hs, w.shape[0])
+    x = torch.zeros(by_row.count, dtype=out_dtype, device=w.device)
+    if by_row.count:
+        _logits_kernel[(w.shape[0],)](by_row.starts, by_row.order, by_row.rows, by_row.h, w,
+                                      b if b is not None else w, x, w.shape[0], w.shape[1], by_row.h.stride(0),
+                                      w.stride(0), HAS_BIAS=b is not None, BP=_LOGITS_BP, BH=_LOGITS_BH,
+                                      num_warps=_LOGITS_WARPS)
+    return [part.view(cols.shape) for part, (cols, _) in zip(x.split([cols.numel() for cols, _ in parts]), parts)]
 
 
 def hidden_grad(d: torch.Tensor, cols: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -175,17 +204,8 @@ def weight_grad(parts, shape: tuple[int, int], out_dtype: torch.dtype | None, ba
         return torch_rows.weight_grad(parts, shape, out_dtype, base, db)
     dev = hs[0].device
     d = torch.cat([d.reshape(-1) for d, _, _ in parts])
-    # each pair's row of h: the chunks' hidden rows stacked (one chunk: its own rows, no copy)
-    h = _rows(hs[0]) if len(hs) == 1 else torch.cat(hs)
-    offsets, rows = 0, []
-    for dp, _, hp in parts:
-        rows.append((torch.arange(dp.shape[0], device=dev) + offsets).repeat_interleave(dp.shape[1]))
-        offsets += hp.shape[0]
-    rows = torch.cat(rows)
-    # the pairs by weight row, pads (-1) moved past the last row so that no row's run holds them
-    keys = torch.cat([torch.where(cols >= 0, cols, v).reshape(-1) for _, cols, _ in parts])
-    keys, order = torch.sort(keys, stable=True)
-    starts = torch.searchsorted(keys, torch.arange(v + 1, device=dev, dtype=keys.dtype))
+    by_row = _ByRow([cols for _, cols, _ in parts], hs, v)
+    starts, order, rows, h = by_row.starts, by_row.order, by_row.rows, by_row.h
     out = None if out_dtype is None else torch.empty(shape, dtype=out_dtype, device=dev)
     n_h = 1 if out is None else triton.cdiv(hd, _DW_BH)
     _dw_kernel[(v, n_h)](starts, order, d, rows, h, base if base is not None else d, out if out is not None else d,
