@@ -33,12 +33,15 @@ which never make the ``[c, K_loc, H]`` rows -- the logits of all the gather mode
 pass in weight-row order (each weight row read once), ``dh`` per (token, block of ``H``), and
 ``dW`` once for all the chunks, after the last, per (weight row, block of ``H``) over the pairs
 sorted by row, no atomics; elsewhere the torch version, :mod:`vparallel_ce.gathered_rows`, a chunk
-at a time); else one GEMM over the shard (``O(c V_loc H)``) and a gather of its columns. The rule:
-a kept pair costs the kernels at most three reads of a row of ``H`` at memory speed (``3 x 2H``
-bytes; the logits pass reads each weight row once and the hidden rows mostly from cache), the GEMM
-mode four GEMMs per logit (forward, recompute, ``dh``, ``dW``: ``4 x 2H`` FLOPs at ~200 FLOPs per byte
-of HBM) plus ~24 bytes of fp32 traffic, so the gather wins while ``K_loc`` is below ~1/130 to 1/150
-of ``V_loc``; :data:`GATHER_RATIO` = 160 (``launch.bench.rollout --set-modes`` times both modes).
+at a time); else one GEMM over the shard (``O(c V_loc H)``) and a gather of its columns.
+
+The rule, per kept pair against per logit of the GEMM mode (four GEMMs: forward, recompute, ``dh``,
+``dW``, ``4 x 2H`` FLOPs at ~650 TFLOP/s, plus ~24 bytes of fp32 traffic at ~3 TB/s: ~58 ps at
+``H = 4096``): the kernels read one weight row from memory for ``dh`` (``2H`` bytes) and one hidden
+row twice (logits, ``dW``; the weight rows themselves once per call), from cache where the hidden
+states fit it. That is ~4.8 ns a pair with the hidden rows in cache and ~8.2 ns without (three reads
+from memory), a break-even ``V_loc / K_loc`` between ~80 and ~140: :data:`GATHER_RATIO` = 128
+(``python -m launch.bench.rollout --set-modes auto,gather,gemm --ks ...`` times both modes around it).
 The gather mode keeps its ``[c, K_loc]`` logits from the forward for the backward (no second
 gather). Rows with the whole vocabulary (``-1`` rows, or the masks) take the GEMM. The rule reads two
 integers per chunk on the host, all of them at once before the first chunk's kernels.
@@ -71,14 +74,10 @@ from .validate import Problem, raise_values_problem
 __all__ = ["check_support", "check_support_values", "set_chunks", "set_logprobs", "linear_set_logprobs",
            "gathers", "GATHER_RATIO"]
 
-# The mode rule (module docstring): gather a chunk's kept rows where GATHER_RATIO * K_loc <= V_loc.
-# With the kernels a kept (token, id) pair costs three passes over one weight or hidden row at memory
-# speed (logits; dh; dW), 3 x 2H bytes, where the shard's GEMM mode costs four GEMMs per logit
-# (forward, its recompute, dh, dW), 4 x 2H FLOPs at ~200 FLOP per byte of HBM (H100/H200, bf16),
-# plus ~24 bytes of fp32 traffic per logit: gather while K_loc * 6H < V_loc * (8H / 200 + 24), a
-# ratio of ~130 at H=4096 and 150 for large H; 160 leaves room for the gathered loads not
-# reaching full bandwidth. ``python -m launch.bench.rollout --set-modes auto,gather,gemm`` times both.
-GATHER_RATIO = 160
+# The mode rule (module docstring): gather a chunk's kept rows where GATHER_RATIO * K_loc <= V_loc; a
+# kept pair costs the kernels one weight row from memory and two hidden rows, mostly from cache,
+# against four GEMMs per logit in the GEMM mode: break-even between ~80 and ~140 on an H100/H200.
+GATHER_RATIO = 128
 
 # what one kept id of a row costs the gather mode in bytes beside the kernels' reads: its logit, its
 # fp32 statistics and gradient temporaries, its ids as int64 in the set's rows and the dW sort
