@@ -67,14 +67,14 @@ _KERNEL_CHECKS = textwrap.dedent(
         base = torch.randn(v, hd, generator=g)
         for with_base in (False, True):
             db, db_ref = torch.ones(v), torch.ones(v)
-            got = tk.weight_grad(parts, (v, hd), torch.float32, base.clone() if with_base else None, db)
-            want = ref.weight_grad(parts, (v, hd), torch.float32, base.clone() if with_base else None, db_ref)
+            got = tk.weight_grad(parts, w, torch.float32, base.clone() if with_base else None, db)
+            want = ref.weight_grad(parts, w, torch.float32, base.clone() if with_base else None, db_ref)
             close(got, want, f"{name} dW base={with_base}")
             close(db, db_ref, f"{name} db")
             assert torch.isfinite(got).all() and torch.isfinite(db).all(), name  # no pad added anywhere
         db, db_ref = torch.zeros(v), torch.zeros(v)
-        assert tk.weight_grad(parts, (v, hd), None, None, db) is None
-        ref.weight_grad(parts, (v, hd), None, None, db_ref)
+        assert tk.weight_grad(parts, w, None, None, db) is None
+        ref.weight_grad(parts, w, None, None, db_ref)
         close(db, db_ref, f"{name} db alone")
         ran += 1
     assert tk.GATHERED.name == "triton"

@@ -45,12 +45,13 @@ def hidden_grad(d: torch.Tensor, cols: torch.Tensor, w: torch.Tensor) -> torch.T
     return torch.bmm(d.unsqueeze(1), _gathered(w, cols).to(d.dtype)).squeeze(1)
 
 
-def weight_grad(parts, shape: tuple[int, int], out_dtype: torch.dtype | None, base: torch.Tensor | None = None,
+def weight_grad(parts, w: torch.Tensor, out_dtype: torch.dtype | None, base: torch.Tensor | None = None,
                 db: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``dW [V, H]`` in ``out_dtype`` (None: none, ``db`` only): ``base`` (the fp32/fp64 sum so far,
+    """``dW`` (``w``'s shape and device) in ``out_dtype`` (None: none, ``db`` only): ``base`` (the fp32/fp64 sum so far,
     or 0) plus the chunks' ``(d [c, K], cols [c, K], h [c, H])`` products, summed chunk by chunk in
     ``base``'s dtype (else ``d``'s) and rounded once; ``db [V]`` gets ``sum d`` added. ``-1`` entries
     add an exact 0 (to row 0). ``base`` may be overwritten."""
+    shape = tuple(w.shape)
     acc = base
     for d, cols, h in parts if shape[0] else ():  # (an empty shard: every entry -1)
         pad = (cols < 0).reshape(-1)
@@ -65,5 +66,5 @@ def weight_grad(parts, shape: tuple[int, int], out_dtype: torch.dtype | None, ba
     if out_dtype is None:
         return None
     if acc is None:
-        return torch.zeros(shape, dtype=out_dtype, device=db.device if db is not None else None)
+        return torch.zeros(shape, dtype=out_dtype, device=w.device)
     return acc.to(out_dtype)

@@ -43,7 +43,8 @@ states fit it. That is ~4.8 ns a pair with the hidden rows in cache and ~8.2 ns 
 from memory), a break-even ``V_loc / K_loc`` between ~80 and ~140: :data:`GATHER_RATIO` = 128
 (``python -m launch.bench.rollout --set-modes auto,gather,gemm --ks ...`` times both modes around it).
 The gather mode keeps its ``[c, K_loc]`` logits from the forward for the backward (no second
-gather). Rows with the whole vocabulary (``-1`` rows, or the masks) take the GEMM. The rule reads two
+gather); with the kernels it holds ~40 bytes per kept pair of the whole call at once (logits, ids,
+gradient, the sort), and with sequence parallelism its chunks' gathered hidden rows. Rows with the whole vocabulary (``-1`` rows, or the masks) take the GEMM. The rule reads two
 integers per chunk on the host, all of them at once before the first chunk's kernels.
 
 **Batch invariance** (``batch_invariant=True``, with ``support``): the gather mode's and the set
@@ -317,7 +318,7 @@ class LinearSetLogprobs(torch.autograd.Function):
         if dh is not None and not call.sequence_parallel:
             sum_dh_over_ranks(rows, dh)
         if parts or (need[1] and dw is None):  # the gather mode's dW (into the GEMM mode's sum, if any) and db
-            dw = gathered.weight_grad(parts, tuple(w.shape), w.dtype if need[1] else None, dw, db)
+            dw = gathered.weight_grad(parts, w, w.dtype if need[1] else None, dw, db)
         out = tuple(None if g is None else g.to(t.dtype) for g, t in ((dh, h), (dw, w), (db, b)))
         return out + (None,) * 5
 

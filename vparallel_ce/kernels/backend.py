@@ -44,7 +44,7 @@ class GatheredRows:
     :mod:`vparallel_ce.gathered_rows` for the math), over chunks with ``cols [c, K]`` local weight
     rows per token (``-1``: none): ``logits(parts, w, b, out_dtype) -> [x [c, K]]`` of the chunks
     ``(cols, h)``, all at once; ``hidden_grad(d, cols, w) -> dh [c, H]`` of one chunk (fp32 for fp32
-    ``d``); ``weight_grad(parts, shape, out_dtype, base, db) -> dW`` of the chunks ``(d, cols, h)``,
+    ``d``); ``weight_grad(parts, w, out_dtype, base, db) -> dW`` of the chunks ``(d, cols, h)``,
     all at once, its fp32 sums rounded once (``db`` added to)."""
 
     name: str

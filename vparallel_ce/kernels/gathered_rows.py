@@ -189,19 +189,20 @@ def hidden_grad(d: torch.Tensor, cols: torch.Tensor, w: torch.Tensor) -> torch.T
     return dh
 
 
-def weight_grad(parts, shape: tuple[int, int], out_dtype: torch.dtype | None, base: torch.Tensor | None = None,
+def weight_grad(parts, w: torch.Tensor, out_dtype: torch.dtype | None, base: torch.Tensor | None = None,
                 db: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``dW [V, H]`` in ``out_dtype`` (None: no ``dW``, only ``db``): ``base`` (fp32, or 0) plus, per
+    """``dW`` (``w [V, H]``'s shape and device; its values unread) in ``out_dtype`` (None: no ``dW``, only ``db``): ``base`` (fp32, or 0) plus, per
     weight row ``v``, ``sum d[n, k] h[n]`` over the entries with ``cols[n, k] = v`` of every chunk
     ``(d [c, K] fp32, cols [c, K], h [c, H])`` in ``parts`` -- one fp32 sum per row over all the
     chunks, rounded once; ``db [V]`` (fp32) gets ``sum d[n, k]`` added. Entries with ``cols = -1`` add
     nothing. ``base`` may be overwritten."""
+    shape = tuple(w.shape)
     v, hd = shape
     hs = [h for _, _, h in parts]
     if (not parts or not _covered(*hs) or any(d.dtype != torch.float32 for d, _, _ in parts) or v == 0 or hd == 0
             or (base is not None and (base.dtype != torch.float32 or not base.is_contiguous()))
             or (db is not None and (db.dtype != torch.float32 or not db.is_contiguous()))):
-        return torch_rows.weight_grad(parts, shape, out_dtype, base, db)
+        return torch_rows.weight_grad(parts, w, out_dtype, base, db)
     dev = hs[0].device
     d = torch.cat([d.reshape(-1) for d, _, _ in parts])
     by_row = _ByRow([cols for _, cols, _ in parts], hs, v)
