@@ -2,8 +2,8 @@
 (:mod:`vparallel_ce.kernels.gathered_rows`) against the torch version
 (:mod:`vparallel_ce.gathered_rows`), and the linear set op through them against float64.
 
-On CPU the kernels run under Triton's interpreter in a fresh subprocess (``TRITON_INTERPRET=1`` must
-be set before triton is imported; :func:`tests.test_kernels._run_interpreted`), fp32 at tiny sizes:
+Each check runs in a fresh subprocess: on CPU under Triton's interpreter (``TRITON_INTERPRET=1`` must
+be set before triton is imported; :func:`tests.test_kernels._run_checks`), with CUDA compiled; fp32 at tiny sizes:
 padding (``-1``) entries whose ``d`` is NaN (never read, never added to row 0), ids repeated across
 rows, a chunk with no kept ids, an empty shard, ``dW`` over several chunks into a base sum and
 ``db`` alone; then the op with ``kernels.use("triton")`` against ``kernels.use("torch")`` in both
@@ -13,24 +13,23 @@ the float64 reference, both modes.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
-from tests.test_kernels import HAS_TRITON, ROOT, _run_interpreted
+from tests.test_kernels import _ON_DEVICES, HAS_TRITON, _run_checks
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 _KERNEL_CHECKS = textwrap.dedent(
     r"""
-    import os
-    assert os.environ["TRITON_INTERPRET"] == "1"
+    import sys
     import torch
     from vparallel_ce import gathered_rows as ref
     from vparallel_ce.kernels import gathered_rows as tk
+
+    dev = sys.argv[1]
 
     def close(a, b, what):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
@@ -55,6 +54,7 @@ _KERNEL_CHECKS = textwrap.dedent(
         h2, d2 = torch.randn(2, hd, generator=g), torch.randn(2, k, generator=g)
         cols2 = cols[:2].flip(0).contiguous()
         d2 = d2.masked_fill(cols2 < 0, float("nan"))
+        h, w, b, cols, pad, d, h2, d2, cols2 = (a.to(dev) for a in (h, w, b, cols, pad, d, h2, d2, cols2))
         for bias in (None, b):  # the logits of both chunks in one launch
             xs = tk.logits([(cols, h), (cols2, h2)], w, bias, torch.float32)
             xs_ref = ref.logits([(cols, h), (cols2, h2)], w, bias, torch.float32)
@@ -64,15 +64,15 @@ _KERNEL_CHECKS = textwrap.dedent(
         close(tk.hidden_grad(d, cols, w), ref.hidden_grad(d, cols, w), f"{name} dh")
         # dW over both chunks into a base sum, rounded to fp32; and db alone
         parts = [(d, cols, h), (d2, cols2, h2)]
-        base = torch.randn(v, hd, generator=g)
+        base = torch.randn(v, hd, generator=g).to(dev)
         for with_base in (False, True):
-            db, db_ref = torch.ones(v), torch.ones(v)
+            db, db_ref = torch.ones(v, device=dev), torch.ones(v, device=dev)
             got = tk.weight_grad(parts, w, torch.float32, base.clone() if with_base else None, db)
             want = ref.weight_grad(parts, w, torch.float32, base.clone() if with_base else None, db_ref)
             close(got, want, f"{name} dW base={with_base}")
             close(db, db_ref, f"{name} db")
             assert torch.isfinite(got).all() and torch.isfinite(db).all(), name  # no pad added anywhere
-        db, db_ref = torch.zeros(v), torch.zeros(v)
+        db, db_ref = torch.zeros(v, device=dev), torch.zeros(v, device=dev)
         assert tk.weight_grad(parts, w, None, None, db) is None
         ref.weight_grad(parts, w, None, None, db_ref)
         close(db, db_ref, f"{name} db alone")
@@ -133,11 +133,10 @@ _OP_CHECKS = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_kernels_match_the_torch_version_in_the_interpreter():
-    proc = _run_interpreted(_KERNEL_CHECKS)
-    assert proc.returncode == 0 and "GATHERED_ROWS_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
-    proc = _run_interpreted(_OP_CHECKS, "cpu")
-    assert proc.returncode == 0 and "GATHERED_OP_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-6000:]
+@_ON_DEVICES
+def test_kernels_match_the_torch_version(device):
+    _run_checks(_KERNEL_CHECKS, device, "GATHERED_ROWS_OK")
+    _run_checks(_OP_CHECKS, device, "GATHERED_OP_OK")
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
