@@ -44,8 +44,9 @@ from memory), a break-even ``V_loc / K_loc`` between ~80 and ~140: :data:`GATHER
 (``python -m launch.bench.rollout --set-modes auto,gather,gemm --ks ...`` times both modes around it).
 The gather mode keeps its ``[c, K_loc]`` logits from the forward for the backward (no second
 gather); with the kernels it holds ~40 bytes per kept pair of the whole call at once (logits, ids,
-gradient, the sort), and with sequence parallelism its chunks' gathered hidden rows. Rows with the whole vocabulary (``-1`` rows, or the masks) take the GEMM. The rule reads two
-integers per chunk on the host, all of them at once before the first chunk's kernels.
+gradient, the sort), and with sequence parallelism its chunks' gathered hidden rows. Rows with the
+whole vocabulary (``-1`` rows, or the masks) take the GEMM. The rule reads two integers per chunk
+on the host, all of them at once before the first chunk's kernels.
 
 **Batch invariance** (``batch_invariant=True``, with ``support``): the gather mode's and the set
 matrix's widths follow the chunk's largest set, so a row's sums would too. This mode takes the
@@ -66,10 +67,10 @@ import torch
 from .call import Call
 from .chunk_walk import Rows, invariant_dh, sum_dh_over_ranks
 from .gemm import logits as lm_logits, matmul_inputs, mm_as
+from .kernels import TORCH_GATHERED, GatheredRows
 from .sampling_masks import SamplingMasks
 from .set_chunk import SetChunk, SetRows, chunk_outputs, set_grad_coefs
 from .stats import compute_dtype
-from .kernels import TORCH_GATHERED, GatheredRows
 from .validate import Problem, raise_values_problem
 
 __all__ = ["check_support", "check_support_values", "set_chunks", "set_logprobs", "linear_set_logprobs",

@@ -52,8 +52,9 @@ class SetRows:
             local = ids - lay.offset
             owned = (ids >= 0) & (local >= 0) & (local < lay.local_size) & (valid & ~full_row).unsqueeze(-1)
             pre.append((ids, target, valid, full_row, local, owned))
-        sizes = torch.stack([torch.stack([owned.sum(-1).amax() if ids.numel() else owned.new_zeros((), dtype=torch.int64),
-                                          full_row.sum()]) for ids, _, _, full_row, _, owned in pre]).tolist()
+        widths = [torch.stack([owned.sum(-1).amax() if ids.numel() else owned.new_zeros((), dtype=torch.int64),
+                               full_row.sum()]) for ids, _, _, full_row, _, owned in pre]
+        sizes = torch.stack(widths).tolist()
         return [cls._made(*p, k_loc, n_full, lay) for p, (k_loc, n_full) in zip(pre, sizes)]
 
     @classmethod

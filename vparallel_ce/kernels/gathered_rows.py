@@ -5,8 +5,8 @@ kept ids and ``-1`` where none (padding, ids of other shards); a ``-1`` entry re
 
 * :func:`logits` -- ``x[n, k] = h[n] . w[cols[n, k]] (+ b[cols[n, k]])`` for all the chunks of a
   call at once, in weight-row order (the pairs sorted as for ``dW`` below): one program per weight
-  row reads its row once and dots it with the hidden rows of its pairs (``[N, H]``, small beside
-  the weight, so mostly from cache); the products are summed in fp32 and rounded once to the
+  row reads its row once and dots it with the hidden rows of its pairs (``[N, H]``, far smaller
+  than the weight: from cache where it fits); the products are summed in fp32 and rounded once to the
   output dtype (the bias added in fp32 first). A row of the weight is read from memory once per
   call instead of once per pair: at ``K = 512`` of ``V = 151936`` each row serves ~28 tokens;
 * :func:`hidden_grad` -- ``dh[n] = sum_k d[n, k] w[cols[n, k]]`` in fp32: one program per (token,
@@ -20,10 +20,11 @@ kept ids and ``-1`` where none (padding, ids of other shards); a ``-1`` entry re
   every run.
 
 None of them makes the ``[c, K, H]`` gathered rows: each gathered row is read once per pass and
-used at once; only :func:`hidden_grad` reads a weight row from memory once per pair. What they cost and when they beat the shard's GEMM: the rule in
-:mod:`vparallel_ce.sampling_set`. Operands: bf16 / fp16 / fp32 (one dtype for ``h`` and ``w``), on
-a CUDA GPU or under ``TRITON_INTERPRET=1``; anything else runs the torch version
-(:mod:`vparallel_ce.gathered_rows`), which is also the reference the tests hold these to.
+used at once; only :func:`hidden_grad` reads a weight row from memory once per pair. What they
+cost and when they beat the shard's GEMM: the rule in :mod:`vparallel_ce.sampling_set`.
+Operands: bf16 / fp16 / fp32 (one dtype for ``h`` and ``w``), on a CUDA GPU or under
+``TRITON_INTERPRET=1``; anything else runs the torch version (:mod:`vparallel_ce.gathered_rows`),
+which is also the reference the tests hold these to.
 """
 
 from __future__ import annotations
@@ -191,11 +192,11 @@ def hidden_grad(d: torch.Tensor, cols: torch.Tensor, w: torch.Tensor) -> torch.T
 
 def weight_grad(parts, w: torch.Tensor, out_dtype: torch.dtype | None, base: torch.Tensor | None = None,
                 db: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``dW`` (``w [V, H]``'s shape and device; its values unread) in ``out_dtype`` (None: no ``dW``, only ``db``): ``base`` (fp32, or 0) plus, per
-    weight row ``v``, ``sum d[n, k] h[n]`` over the entries with ``cols[n, k] = v`` of every chunk
-    ``(d [c, K] fp32, cols [c, K], h [c, H])`` in ``parts`` -- one fp32 sum per row over all the
-    chunks, rounded once; ``db [V]`` (fp32) gets ``sum d[n, k]`` added. Entries with ``cols = -1`` add
-    nothing. ``base`` may be overwritten."""
+    """``dW`` (``w [V, H]``'s shape and device; its values unread) in ``out_dtype`` (None: no ``dW``,
+    only ``db``): ``base`` (fp32, or 0) plus, per weight row ``v``, ``sum d[n, k] h[n]`` over the
+    entries with ``cols[n, k] = v`` of every chunk ``(d [c, K] fp32, cols [c, K], h [c, H])`` in
+    ``parts`` -- one fp32 sum per row over all the chunks, rounded once; ``db [V]`` (fp32) gets ``sum
+    d[n, k]`` added. Entries with ``cols = -1`` add nothing. ``base`` may be overwritten."""
     shape = tuple(w.shape)
     v, hd = shape
     hs = [h for _, _, h in parts]
