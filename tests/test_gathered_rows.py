@@ -143,13 +143,13 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @cuda
-@pytest.mark.parametrize("k", [20, 200])
+@pytest.mark.parametrize("k", [20, 300])  # the rule gathers at 20 of 32000 and takes the GEMM at 300
 @pytest.mark.parametrize("mode", ["rule", "gather", "gemm"])
 def test_bf16_set_op_on_cuda_matches_float64(k, mode):
     # N=1024, H=512, V=32000 in bf16 with a bias, two chunks, a whole-vocabulary row and padding:
     # logp, dh, dW, db against float64 on the bf16 values, in each mode
-    from vparallel_ce import sampling_set
     import vparallel_ce
+    from vparallel_ce import kernels, sampling_set
 
     g = torch.Generator().manual_seed(k)
     n, hd, v = 1024, 512, 32000
@@ -159,8 +159,9 @@ def test_bf16_set_op_on_cuda_matches_float64(k, mode):
     t = torch.randint(0, v, (n,), generator=g)
     sup = torch.argsort(torch.rand(n, v, generator=g), -1)[:, :k]
     sup[:, 0] = torch.where((sup == t[:, None]).any(-1), sup[:, 0], t)
-    sup[3, k // 2:] = -1
-    sup[4] = -1
+    sup[3, k // 2:] = -1  # padding (the row's target its first id)
+    t[3] = sup[3, 0]
+    sup[4] = -1           # the whole vocabulary
     u = torch.randn(n, generator=g, dtype=torch.float64)
     leaves = [a.double().requires_grad_() for a in (h, w, b)]
     x = leaves[0] @ leaves[1].T + leaves[2]
@@ -175,6 +176,7 @@ def test_bf16_set_op_on_cuda_matches_float64(k, mode):
     try:
         sampling_set.GATHER_RATIO = {"rule": ratio, "gather": 0, "gemm": 10**9}[mode]
         dev = [a.cuda().requires_grad_() for a in (h, w, b)]
+        assert kernels.ops_for(dev[1]).gathered.name == "triton"
         lp = vparallel_ce.linear_token_logprobs(dev[0], dev[1], t.cuda(), dev[2], support=sup.cuda(), chunks=2)
         got_g = torch.autograd.grad((lp.double() * u.cuda()).sum(), dev)
     finally:
