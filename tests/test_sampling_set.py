@@ -137,6 +137,7 @@ def _set_cases_rank(rank, world):
                 xl = leaves[0] @ leaves[1].T + leaves[2]
                 rl, re = _reference(xl, t, keep, temperature)
                 rg = torch.autograd.grad((rl * u).sum() + (re * w_).sum(), leaves)
+                default_ratio = sampling_set.GATHER_RATIO
                 for ratio in (1, 10**9):
                     for sp in ((False, True) if world > 1 and ratio == 1 else (False,)):
                         sampling_set.GATHER_RATIO = ratio
@@ -156,7 +157,7 @@ def _set_cases_rank(rank, world):
                         for what, a, b, full in zip(("d hidden", "d weight", "d bias"), got, want, rg):
                             if rel_err(a, b, scale=full) > TOL[dtype]:
                                 report.append(f"{case} {what}: rel err {rel_err(a, b, scale=full):.2e}")
-                sampling_set.GATHER_RATIO = 256
+                sampling_set.GATHER_RATIO = default_ratio
     # bf16 hidden and weight with fp32 logits, against the float64 reference of the bf16 values
     v, k = 7, 3
     x, t, sup = _data(v, k, torch.float64, seed=3)

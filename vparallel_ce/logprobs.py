@@ -165,7 +165,7 @@ def linear_token_logprobs(
         flat = _checked_support(support, inp.target, call)
         logp, entropy = linear_set_logprobs(inp.h, inp.w, inp.b, inp.target, flat, call, options,
                                             set_chunks(call, 0 if flat is None else flat.shape[-1], inp.w.shape[-1],
-                                                       chunks))
+                                                       chunks, gathered=call.ops(inp.w).gathered))
         shape = inp.shape
     elif torch.compiler.is_compiling():  # one custom op in the graph (vparallel_ce.compiled)
         (logp, entropy), shape = compiled.apply("linear_token_logprobs", (hidden, weight, target, bias), group,

@@ -26,10 +26,27 @@ on the set's ids in the call's one exchange (a position-sensitive checksum); the
 checked after it, on every rank alike. The masks add their own exchanges (their module).
 
 **The linear op** needs only the kept ids' logits. Per chunk, with ``K_loc`` the most kept ids
-any row has in this shard: if ``GATHER_RATIO * K_loc <= V_loc`` it gathers those rows of the
-weight (``[c, K_loc, H]``, ``O(c K_loc H)`` reads and FLOPs), else one GEMM over the shard
-(``O(c V_loc H)``) and a gather of its columns. Rows with the whole vocabulary (``-1`` rows, or
-the masks) take the GEMM. The rule reads two integers per chunk on the host.
+any row has in this shard, :func:`gathers` picks the mode: where ``GATHER_RATIO * K_loc <= V_loc``
+the gather mode takes each token's own weight rows (:class:`~vparallel_ce.kernels.GatheredRows` of
+the call's kernel backend: on a GPU the Triton kernels of :mod:`vparallel_ce.kernels.gathered_rows`,
+which never make the ``[c, K_loc, H]`` rows -- the logits of all the gather mode's chunks in one
+pass in weight-row order (each weight row read once), ``dh`` per (token, block of ``H``), and
+``dW`` once for all the chunks, after the last, per (weight row, block of ``H``) over the pairs
+sorted by row, no atomics; elsewhere the torch version, :mod:`vparallel_ce.gathered_rows`, a chunk
+at a time); else one GEMM over the shard (``O(c V_loc H)``) and a gather of its columns.
+
+The rule, per kept pair against per logit of the GEMM mode (four GEMMs: forward, recompute, ``dh``,
+``dW``, ``4 x 2H`` FLOPs at ~650 TFLOP/s, plus ~24 bytes of fp32 traffic at ~3 TB/s: ~58 ps at
+``H = 4096``): the kernels read one weight row from memory for ``dh`` (``2H`` bytes) and one hidden
+row twice (logits, ``dW``; the weight rows themselves once per call), from cache where the hidden
+states fit it. That is ~4.8 ns a pair with the hidden rows in cache and ~8.2 ns without (three reads
+from memory), a break-even ``V_loc / K_loc`` between ~80 and ~140: :data:`GATHER_RATIO` = 128
+(``python -m launch.bench.rollout --set-modes auto,gather,gemm --ks ...`` times both modes around it).
+The gather mode keeps its ``[c, K_loc]`` logits from the forward for the backward (no second
+gather); with the kernels it holds ~40 bytes per kept pair of the whole call at once (logits, ids,
+gradient, the sort), and with sequence parallelism its chunks' gathered hidden rows. Rows with the
+whole vocabulary (``-1`` rows, or the masks) take the GEMM. The rule reads two integers per chunk
+on the host, all of them at once before the first chunk's kernels.
 
 **Batch invariance** (``batch_invariant=True``, with ``support``): the gather mode's and the set
 matrix's widths follow the chunk's largest set, so a row's sums would too. This mode takes the
@@ -50,18 +67,23 @@ import torch
 from .call import Call
 from .chunk_walk import Rows, invariant_dh, sum_dh_over_ranks
 from .gemm import logits as lm_logits, matmul_inputs, mm_as
+from .kernels import TORCH_GATHERED, GatheredRows
 from .sampling_masks import SamplingMasks
 from .set_chunk import SetChunk, SetRows, chunk_outputs, set_grad_coefs
 from .stats import compute_dtype
 from .validate import Problem, raise_values_problem
 
 __all__ = ["check_support", "check_support_values", "set_chunks", "set_logprobs", "linear_set_logprobs",
-           "GATHER_RATIO"]
+           "gathers", "GATHER_RATIO"]
 
-# Gather the kept ids' weight rows when they are at most 1/GATHER_RATIO of the shard: a gathered
-# row is read (and written, and read again) at memory speed, ~3 x 2 bytes per element, where the
-# shard's GEMM does 2 FLOPs per element at ~200 FLOP per byte of HBM on an H100/H200.
-GATHER_RATIO = 256
+# The mode rule (module docstring): gather a chunk's kept rows where GATHER_RATIO * K_loc <= V_loc; a
+# kept pair costs the kernels one weight row from memory and two hidden rows, mostly from cache,
+# against four GEMMs per logit in the GEMM mode: break-even between ~80 and ~140 on an H100/H200.
+GATHER_RATIO = 128
+
+# what one kept id of a row costs the gather mode in bytes beside the kernels' reads: its logit, its
+# fp32 statistics and gradient temporaries, its ids as int64 in the set's rows and the dW sort
+_GATHER_ID_BYTES = 96
 
 # the per-chunk working set (fp32 logits or gathered rows of the chunk): chunks are made so that
 # one holds about this many bytes
@@ -129,17 +151,22 @@ def _support_problem(ids: torch.Tensor, target: torch.Tensor, ignore_index: int,
     return None
 
 
-def set_chunks(call: Call, k: int, hidden_size: int, chunks) -> int:
+def set_chunks(call: Call, k: int, hidden_size: int, chunks, *, gathered: GatheredRows | None = None) -> int:
     """Token chunks of a set call, the same on every rank (from the group's token count, the set
-    width, the largest shard and the hidden size): ``chunks`` if an int, else enough that one
-    chunk's working set is about :data:`CHUNK_BYTES`."""
+    width ``k``, the largest shard and the hidden size): ``chunks`` if an int, else enough that one
+    chunk's working set is about :data:`CHUNK_BYTES`. ``gathered``: the linear op's gather mode
+    (:class:`~vparallel_ce.kernels.GatheredRows`); the torch one makes the ``[c, K, H]`` rows, the
+    kernels none, so a row's working set is then the GEMM mode's where :func:`gathers` may choose
+    it (a shard of at most ``GATHER_RATIO * k`` columns) and its kept ids' otherwise."""
     if chunks != "auto":
         return int(chunks)
     n = sum(call.counts)
     width = -(-call.layout.vocab_size // call.layout.world)
-    per_row = max(12 * width, 6 * k * max(hidden_size, 1), 1)
+    if gathered is not None and gathered is not TORCH_GATHERED and hidden_size and not call.batch_invariant:
+        per_row = max(12 * min(width, GATHER_RATIO * k), _GATHER_ID_BYTES * k, 1)
+    else:
+        per_row = max(12 * width, 6 * k * max(hidden_size, 1), 1)
     return max(1, min(n, -(-n * per_row // CHUNK_BYTES)))
-
 
 
 def _masks(call_options) -> SamplingMasks:
@@ -221,17 +248,30 @@ class LinearSetLogprobs(torch.autograd.Function):
     def forward(ctx, h, w, b, target, support, call: Call, masks: SamplingMasks, chunks: int):
         hm, wm, bm = matmul_inputs(call, h, w, b)
         rows = Rows(call, chunks)
+        # every chunk's rows of the set first, with one host read of their widths: it waits for these
+        # small steps alone, not for the chunks' kernels
+        srs = SetRows.of_chunks([(rows.gather(c, support, fill=-1), rows.gather(c, target, fill=call.spec.ignore_index))
+                                 for c in range(len(rows))], call)
+        # the gather mode's logits of all its chunks in one pass over the weight (GatheredRows.logits),
+        # kept for the backward (no second gather); with sequence parallelism these chunks' gathered
+        # hidden rows are held together for it
+        hcs = {c: rows.gather(c, hm) for c, sr in enumerate(srs)
+               if not call.batch_invariant and gathers(sr.cols.shape[1], wm.shape[0])}
+        set_xs = [None] * len(srs)
+        if hcs:
+            xs = call.ops(wm).gathered.logits([(_kept_cols(srs[c]), h_c) for c, h_c in hcs.items()], wm, bm,
+                                              call.logits_dtype or hm.dtype)
+            for c, x in zip(hcs, xs):
+                set_xs[c] = x
         outs, saved = [], []
-        for c in range(len(rows)):
-            h_c = rows.gather(c, hm)
-            t_c = rows.gather(c, target, fill=call.spec.ignore_index)
-            s_c = rows.gather(c, support, fill=-1)
-            sr = SetRows.of(s_c, t_c, call)
-            ch, gathered = _linear_chunk(call, sr, h_c, wm, bm)
+        for c, sr in enumerate(srs):
+            h_c = hcs[c] if c in hcs else rows.gather(c, hm)
+            ch = _linear_chunk(call, sr, h_c, wm, bm, set_xs[c])
             logp, ent, kept = chunk_outputs(ch, sr, call, masks)
             outs.append((rows.own(c, logp), rows.own(c, ent)))
             saved.append(kept)
         ctx.save_for_backward(h, w, b, target, support)
+        ctx.set_xs = set_xs  # the gather mode's [c, K_loc] logits (None: the GEMM mode's chunk)
         return _kept_for_backward(ctx, call, masks, rows, saved, outs)
 
     @staticmethod
@@ -249,13 +289,19 @@ class LinearSetLogprobs(torch.autograd.Function):
             return none
         hm, wm, bm = matmul_inputs(call, h, w, b)
         acc = compute_dtype(wm.dtype)
+        gathered = call.ops(wm).gathered
         dh = torch.zeros(h.shape, dtype=acc, device=h.device) if need[0] else None
-        dw = torch.zeros(w.shape, dtype=acc, device=w.device) if need[1] else None
+        # the fp32 dW sum of the GEMM mode's chunks and the whole-vocab rows, where any; the gather
+        # mode's chunks add theirs once, after the last chunk (GatheredRows.weight_grad)
+        gemm_rows = any(x is None or sr.full.numel() for x, (sr, *_) in zip(ctx.set_xs, ctx.saved))
+        dw = torch.zeros(w.shape, dtype=acc, device=w.device) if need[1] and gemm_rows else None
         db = torch.zeros(w.shape[0], dtype=acc, device=w.device) if need[2] else None
+        parts = []  # the gather mode's (d, cols, h rows) of each chunk
         add_dh = invariant_dh(call, w) if call.batch_invariant else None
         for c, (sr, tau, m, log_s, ent) in enumerate(ctx.saved):
             h_c = rows.gather(c, hm)
-            ch, gathered = _linear_chunk(call, sr, h_c, wm, bm)
+            set_x = ctx.set_xs[c]
+            ch = _linear_chunk(call, sr, h_c, wm, bm, set_x)
             ch.masked(call, ctx.masks, tau)
             g_lp = None if g_logp is None else rows.gather(c, g_logp.reshape(-1))
             g_h = None if g_entropy is None else rows.gather(c, g_entropy.reshape(-1))
@@ -264,62 +310,60 @@ class LinearSetLogprobs(torch.autograd.Function):
             if call.batch_invariant:  # d_set: the whole shard's columns
                 dh_c = _shard_grads(d_set, h_c, wm, dw, db, add_dh, want_dh=dh is not None)
             else:
-                dh_c = _linear_grads(sr, d_set, d_full, h_c, wm, gathered, dw, db, want_dh=dh is not None)
+                dh_c = _linear_grads(sr, d_set, d_full, h_c, wm, gathered if set_x is not None else None, dw, db,
+                                     parts, want_dh=dh is not None)
             if dh is not None and call.sequence_parallel:
                 dh[rows.local[c]] = rows.scatter_grad(c, dh_c)
             elif dh is not None:
                 dh[rows.local[c]] += dh_c
         if dh is not None and not call.sequence_parallel:
             sum_dh_over_ranks(rows, dh)
+        if parts or (need[1] and dw is None):  # the gather mode's dW (into the GEMM mode's sum, if any) and db
+            dw = gathered.weight_grad(parts, w, w.dtype if need[1] else None, dw, db)
         out = tuple(None if g is None else g.to(t.dtype) for g, t in ((dh, h), (dw, w), (db, b)))
         return out + (None,) * 5
 
 
-def _linear_chunk(call: Call, sr: SetRows, h_c, w, b):
-    """The chunk's :class:`~vparallel_ce.set_chunk.SetChunk` and, in the gather mode, the gathered weight rows ``[c, K_loc, H]``
-    (None in the GEMM mode)."""
-    k_loc, width = sr.cols.shape[1], w.shape[0]
-    full_x = None
+def gathers(k_loc: int, width: int) -> bool:
+    """The mode rule: the gather mode for a chunk whose rows keep at most ``k_loc`` ids of this
+    ``width``-column shard where ``GATHER_RATIO * k_loc <= width`` (module docstring)."""
+    return GATHER_RATIO * k_loc <= width
+
+
+def _kept_cols(sr: SetRows) -> torch.Tensor:
+    """The chunk's kept ids as local weight rows, ``-1`` where none (what :class:`GatheredRows` reads)."""
+    return sr.cols.masked_fill(~sr.kept, -1)
+
+
+def _linear_chunk(call: Call, sr: SetRows, h_c, w, b, set_x):
+    """The chunk's :class:`~vparallel_ce.set_chunk.SetChunk`: in the gather mode (``set_x``, its
+    kept ids' logits ``[c, K_loc]``, not None) those and the whole-vocab rows' GEMM, else the
+    shard's GEMM and a gather of its columns (or, batch-invariant, the GEMM masked to the set)."""
+    width = w.shape[0]
     if call.batch_invariant:  # the shard's GEMM, masked to the set (the gather's widths vary with the chunk)
         x_c = lm_logits(call, h_c, w, b)
-        return SetChunk(sr.over_shard(width), x_c, None, call.ops(x_c)), None
-    if GATHER_RATIO * k_loc <= width:
-        wg = w[sr.cols]  # [c, K_loc, H]
-        set_x = _gathered_logits(call, h_c, wg, None if b is None else b[sr.cols])
-        if sr.full.numel():
-            full_x = lm_logits(call, h_c[sr.full], w, b)
-        return SetChunk(sr, set_x, full_x), wg
+        return SetChunk(sr.over_shard(width), x_c, None, call.ops(x_c))
+    if set_x is not None:
+        full_x = lm_logits(call, h_c[sr.full], w, b) if sr.full.numel() else None
+        return SetChunk(sr, set_x, full_x)
     x_c = lm_logits(call, h_c, w, b)
-    return SetChunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None), None
+    return SetChunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None)
 
 
-def _gathered_logits(call: Call, h_c, wg, bg):
-    """``h_i . w_{id}`` for each row's gathered weight rows, in the logits' dtype (``Call.logits_dtype``
-    or the matmul dtype), the bias added in it."""
-    wide = call.logits_dtype
-    if wide is not None:
-        x = torch.bmm(wg.to(wide), h_c.to(wide).unsqueeze(-1)).squeeze(-1)
-    else:
-        x = torch.bmm(wg, h_c.unsqueeze(-1)).squeeze(-1)
-    return x if bg is None else x + bg.to(x.dtype)
-
-
-def _linear_grads(sr: SetRows, d_set, d_full, h_c, w, gathered, dw, db, *, want_dh: bool):
+def _linear_grads(sr: SetRows, d_set, d_full, h_c, w, gathered: GatheredRows | None, dw, db, parts: list, *,
+                  want_dh: bool):
     """Add the chunk's ``dW``/``db`` (fp32 sums) and return its partial ``dh`` rows (fp32): the set's
-    columns through the gathered rows or the shard's GEMM, the whole-vocab rows through the GEMM."""
+    columns through ``gathered`` (the gather mode: ``dh`` here, ``(d, cols, h)`` appended to
+    ``parts`` for one ``dW`` of all the chunks) or the shard's GEMM, the whole-vocab rows through the GEMM."""
     acc = d_set.dtype
-    dh_c = torch.zeros(h_c.shape, dtype=acc, device=h_c.device) if want_dh else None
     if gathered is not None:
-        if want_dh:
-            dh_c += torch.bmm(d_set.unsqueeze(1).to(gathered.dtype), gathered).squeeze(1).to(acc)
-        flat = sr.cols.reshape(-1)
-        if dw is not None:
-            dw.index_add_(0, flat, (d_set.unsqueeze(-1) * h_c.to(acc).unsqueeze(1)).reshape(flat.numel(), h_c.shape[-1]))
-        if db is not None:
-            db.index_add_(0, flat, d_set.reshape(-1))
+        cols = _kept_cols(sr)
+        dh_c = gathered.hidden_grad(d_set, cols, w).to(acc) if want_dh else None
+        parts.append((d_set, cols, h_c))
         d_rows, rows_h = d_full, (h_c[sr.full] if d_full is not None else None)
         idx = sr.full
     else:
+        dh_c = torch.zeros(h_c.shape, dtype=acc, device=h_c.device) if want_dh else None
         d = torch.zeros((h_c.shape[0], w.shape[0]), dtype=acc, device=h_c.device)
         d.scatter_add_(1, sr.cols, d_set)
         if d_full is not None:

@@ -38,16 +38,29 @@ class SetRows:
 
     @classmethod
     def of(cls, ids: torch.Tensor, target: torch.Tensor, call: Call) -> "SetRows":
+        return cls.of_chunks([(ids, target)], call)[0]
+
+    @classmethod
+    def of_chunks(cls, chunks, call: Call) -> list["SetRows"]:
+        """The rows of each chunk's ``(ids, target)``: one host read for all of them (their widths),
+        so that it waits for these steps alone rather than for kernels queued between chunks."""
         lay = call.layout
-        valid = target != call.spec.ignore_index
-        full_row = (ids < 0).all(-1) & valid
-        local = ids - lay.offset
-        owned = (ids >= 0) & (local >= 0) & (local < lay.local_size) & (valid & ~full_row).unsqueeze(-1)
+        pre = []
+        for ids, target in chunks:
+            valid = target != call.spec.ignore_index
+            full_row = (ids < 0).all(-1) & valid
+            local = ids - lay.offset
+            owned = (ids >= 0) & (local >= 0) & (local < lay.local_size) & (valid & ~full_row).unsqueeze(-1)
+            pre.append((ids, target, valid, full_row, local, owned))
+        widths = [torch.stack([owned.sum(-1).amax() if ids.numel() else owned.new_zeros((), dtype=torch.int64),
+                               full_row.sum()]) for ids, _, _, full_row, _, owned in pre]
+        sizes = torch.stack(widths).tolist()
+        return [cls._made(*p, k_loc, n_full, lay) for p, (k_loc, n_full) in zip(pre, sizes)]
+
+    @classmethod
+    def _made(cls, ids, target, valid, full_row, local, owned, k_loc: int, n_full: int, lay) -> "SetRows":
         is_t = (ids == target.unsqueeze(-1)) & (ids >= 0)
         in_set = valid & (full_row | is_t.any(-1))
-        k_loc, n_full = (int(v) for v in torch.stack([owned.sum(-1).amax() if ids.numel() else
-                                                      owned.new_zeros((), dtype=torch.int64),
-                                                      full_row.sum()]).tolist())
         order = owned.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[:, :k_loc]
         kept = owned.gather(1, order)
         cols = torch.where(kept, local.gather(1, order), 0)

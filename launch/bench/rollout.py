@@ -4,7 +4,9 @@ backward at a Qwen3-8B lm_head, against the full-vocabulary op and the plain alt
 Methods (each the loss ``-(adv * logp).mean()`` and its backward into hidden and weight):
 
 * ``set:K`` -- ``linear_token_logprobs(h, w, t, support=ids)`` with ``K`` kept ids per token (random
-  distinct ids holding the target, as an engine's top-k/top-p set);
+  distinct ids holding the target, as an engine's top-k/top-p set), its mode chosen by the op's rule;
+  ``set:K:gather`` / ``set:K:gemm`` force one mode (``--set-modes``; they set
+  ``vparallel_ce.sampling_set.GATHER_RATIO`` for the call), to check the rule's boundary;
 * ``full`` -- ``linear_token_logprobs(h, w, t)`` over the whole vocabulary (what the set replaces);
 * ``compile:K`` -- ``torch.compile`` of the gathered way: logits ``h @ w.T``, the kept ids'
   logits scattered into a ``-inf`` row, ``log_softmax``, gather of the target;
@@ -17,12 +19,14 @@ the median ms (CUDA events, rounds), peak GiB and the errors of logp and dh on 2
 float64 reference of the set's log-probs.
 
     python -m launch.bench.rollout --out rollout.jsonl     # one GPU, bf16
+    python -m launch.bench.rollout --set-modes auto,gather,gemm --methods set,full   # both modes
     python -m launch.bench.rollout --smoke                 # CPU, tiny shapes
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -30,6 +34,7 @@ import sys
 import torch
 
 import vparallel_ce
+from vparallel_ce import sampling_set
 from launch.bench.timing import peak_of, timed_in_rounds
 
 SHAPES = {"qwen3-8b": (8192, 4096, 151936, 1), "qwen3-8b-tp8": (8192, 4096, 18992, 8),
@@ -56,6 +61,30 @@ def _loss(logp, adv):
 
 def method_set(h, w, t, ids, adv):
     return _loss(vparallel_ce.linear_token_logprobs(h, w, t, support=ids), adv)
+
+
+# GATHER_RATIO that forces a mode: 0 gathers every chunk, a huge one never does
+MODE_RATIOS = {"gather": 0, "gemm": 10**12}
+
+
+@contextlib.contextmanager
+def forced_mode(mode: str):
+    """The set op's mode of every chunk forced (``gather``, ``gemm``) or its rule's (``auto``) for
+    the block (the forward picks the mode of each chunk; its backward follows it)."""
+    ratio = sampling_set.GATHER_RATIO
+    sampling_set.GATHER_RATIO = MODE_RATIOS.get(mode, ratio)
+    try:
+        yield
+    finally:
+        sampling_set.GATHER_RATIO = ratio
+
+
+def set_in_mode(mode: str):
+    """``method_set`` in ``mode`` (:func:`forced_mode`)."""
+    def method(h, w, t, ids, adv):
+        with forced_mode(mode):
+            return method_set(h, w, t, ids, adv)
+    return method
 
 
 def method_full(h, w, t, ids, adv):
@@ -115,7 +144,9 @@ def bench_shape(name, args, device, dtype, emit):
         ids = make_support(t, v, k_here, gen).to(device)
         sets[k] = ids
         if "set" in args.methods:
-            steps[f"set:{k}"] = (method_set, ids)
+            for mode in args.set_modes:
+                steps[f"set:{k}" if mode == "auto" else f"set:{k}:{mode}"] = \
+                    (method_set if mode == "auto" else set_in_mode(mode), ids)
         if "compile" in args.methods:
             steps[f"compile:{k}"] = (method_compile, ids)
     t = t.to(device)
@@ -137,7 +168,9 @@ def bench_shape(name, args, device, dtype, emit):
             except Exception as exc:  # noqa: BLE001 - a method's failure is a row of the report
                 record["error"] = f"{type(exc).__name__}: {exc}"
         if label.startswith("set:"):
-            record.update(errors(h, w, t, sets[int(label.split(':')[1])], min(CHECK_ROWS, n)))
+            _, k, *mode = label.split(":")
+            with forced_mode(mode[0] if mode else "auto"):
+                record.update(errors(h, w, t, sets[int(k)], min(CHECK_ROWS, n)))
         emit(record)
 
 
@@ -147,6 +180,7 @@ def main(argv=None):
     p.add_argument("--shapes", default=None, help="comma list of " + ", ".join(SHAPES))
     p.add_argument("--methods", default="set,full,compile,verl")
     p.add_argument("--ks", default=",".join(map(str, KS)))
+    p.add_argument("--set-modes", default="auto", help="comma list of auto (the op's rule), gather, gemm")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--verl-path", default=None, help="an unpacked verl wheel (launch.bench.rl)")
@@ -154,6 +188,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.methods = set(args.methods.split(","))
     args.ks = [int(k) for k in args.ks.split(",")]
+    args.set_modes = args.set_modes.split(",")
+    if not set(args.set_modes) <= {"auto", *MODE_RATIOS}:
+        p.error(f"--set-modes takes auto, gather, gemm; got {args.set_modes}")
     if args.verl_path:
         from launch.bench import rl
         rl.VERL_PATH.append(args.verl_path)

@@ -24,11 +24,12 @@ from dataclasses import replace
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .backend import TORCH_OPS, FusedLinear, KernelBackend, RowGemm
+from .backend import TORCH_GATHERED, TORCH_OPS, FusedLinear, GatheredRows, KernelBackend, RowGemm
 from .config import KernelChoice, KernelSettings, interpreting, settings, use
 from .config import _INTERPRETING  # a constant read at import, tested on every call
 
-__all__ = ["KernelChoice", "KernelSettings", "settings", "use", "KernelBackend", "FusedLinear", "RowGemm", "ops_for",
+__all__ = ["KernelChoice", "KernelSettings", "settings", "use", "KernelBackend", "FusedLinear", "RowGemm",
+           "GatheredRows", "TORCH_GATHERED", "ops_for",
            "invariant_ops", "fused_applies", "triton_applies", "target_facts", "word_checksum",
            "TORCH_OPS", "is_fake"]
 

@@ -1,6 +1,7 @@
 """The kernel backends' shape: :class:`KernelBackend`, one implementation of the per-chunk steps
-(:data:`TORCH_OPS`: the torch reference of :mod:`vparallel_ce.stats`), and :class:`FusedLinear`,
-the lm_head GEMM fused with a row pass (:mod:`vparallel_ce.kernels` hands these on).
+(:data:`TORCH_OPS`: the torch reference of :mod:`vparallel_ce.stats`), :class:`FusedLinear`,
+the lm_head GEMM fused with a row pass, and :class:`GatheredRows`, the lm_head over each token's
+own weight rows (:mod:`vparallel_ce.kernels` hands these on).
 """
 
 from __future__ import annotations
@@ -8,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import stats
+from .. import gathered_rows, stats
 from ..divergence import TORCH_STEPS, DistillSteps
 
-__all__ = ["FusedLinear", "RowGemm", "KernelBackend", "TORCH_OPS"]
+__all__ = ["FusedLinear", "RowGemm", "GatheredRows", "KernelBackend", "TORCH_OPS", "TORCH_GATHERED"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,25 @@ class RowGemm:
     add_rows_mm_: Callable
 
 
+@dataclass(frozen=True)
+class GatheredRows:
+    """The lm_head over each token's own weight rows (the sampling set's gather mode,
+    :mod:`vparallel_ce.gathered_rows` for the math), over chunks with ``cols [c, K]`` local weight
+    rows per token (``-1``: none): ``logits(parts, w, b, out_dtype) -> [x [c, K]]`` of the chunks
+    ``(cols, h)``, all at once; ``hidden_grad(d, cols, w) -> dh [c, H]`` of one chunk (fp32 for fp32
+    ``d``); ``weight_grad(parts, w, out_dtype, base, db) -> dW`` of the chunks ``(d, cols, h)``,
+    all at once, its fp32 sums rounded once (``db`` added to)."""
+
+    name: str
+    logits: Callable
+    hidden_grad: Callable
+    weight_grad: Callable
+
+
+TORCH_GATHERED = GatheredRows("torch", gathered_rows.logits, gathered_rows.hidden_grad,
+                              gathered_rows.weight_grad)
+
+
 @dataclass
 class KernelBackend:
     """One implementation of the per-chunk steps, chosen once per call (:func:`ops_for`), with what
@@ -45,7 +65,8 @@ class KernelBackend:
     ``distill``: the distillation ops' local passes over a dense teacher's and the student's logits
     (:class:`vparallel_ce.divergence.DistillSteps`); ``reduce``: the per-token losses to the
     call's output (:func:`vparallel_ce.stats.reduce`); ``row_gemm``: the batch-invariant mode's
-    lm_head GEMMs (:class:`RowGemm`; None: that mode's torch GEMMs one tile at a time)."""
+    lm_head GEMMs (:class:`RowGemm`; None: that mode's torch GEMMs one tile at a time);
+    ``gathered``: the lm_head over each token's own weight rows (:class:`GatheredRows`)."""
 
     name: str
     local_stats: Callable
@@ -57,6 +78,7 @@ class KernelBackend:
     distill: DistillSteps = TORCH_STEPS
     reduce: Callable = stats.reduce
     row_gemm: RowGemm | None = None
+    gathered: GatheredRows = TORCH_GATHERED
 
 
 TORCH_OPS = KernelBackend("torch", stats.local_stats, stats.grad_logits, stats.loss_stats_grad_, stats.scale_rows)

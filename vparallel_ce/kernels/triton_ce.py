@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import stats
-from . import triton_distill
+from . import gathered_rows, triton_distill
 from .backend import KernelBackend
 from .config import interpreting
 
@@ -392,4 +392,4 @@ def reduce(per_token: torch.Tensor, n_valid: torch.Tensor | None, reduction: str
 
 
 OPS = KernelBackend("triton", local_stats, grad_logits, loss_stats_grad_, scale_rows, grad_logits_=grad_logits_,
-                    distill=triton_distill.STEPS, reduce=reduce)
+                    distill=triton_distill.STEPS, reduce=reduce, gathered=gathered_rows.GATHERED)

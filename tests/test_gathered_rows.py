@@ -1,0 +1,187 @@
+"""The sampling set's gather mode on each token's own weight rows: the Triton kernels
+(:mod:`vparallel_ce.kernels.gathered_rows`) against the torch version
+(:mod:`vparallel_ce.gathered_rows`), and the linear set op through them against float64.
+
+Each check runs in a fresh subprocess: on CPU under Triton's interpreter (``TRITON_INTERPRET=1`` must
+be set before triton is imported; :func:`tests.test_kernels._run_checks`), with CUDA compiled; fp32 at tiny sizes:
+padding (``-1``) entries whose ``d`` is NaN (never read, never added to row 0), ids repeated across
+rows, a chunk with no kept ids, an empty shard, ``dW`` over several chunks into a base sum and
+``db`` alone; then the op with ``kernels.use("triton")`` against ``kernels.use("torch")`` in both
+modes, with a whole-vocabulary (``-1``) row and a bias. With CUDA: bf16 at a moderate size against
+the float64 reference, both modes.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from tests.test_kernels import _ON_DEVICES, HAS_TRITON, _run_checks
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+_KERNEL_CHECKS = textwrap.dedent(
+    r"""
+    import sys
+    import torch
+    from vparallel_ce import gathered_rows as ref
+    from vparallel_ce.kernels import gathered_rows as tk
+
+    dev = sys.argv[1]
+
+    def close(a, b, what):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+    g = torch.Generator().manual_seed(0)
+    ran = 0
+    # (tokens, kept ids per row, shard rows, hidden size): H not a multiple of the tiles, K past one
+    # block of ids, a chunk with no kept ids, an empty shard
+    for c, k, v, hd in ((5, 3, 7, 40), (4, 19, 30, 300), (3, 0, 7, 8), (3, 2, 0, 8)):
+        h = torch.randn(c, hd, generator=g)
+        w = torch.randn(v, hd, generator=g)
+        b = torch.randn(v, generator=g)
+        cols = torch.randint(0, max(v, 1), (c, k), generator=g) if v else torch.full((c, k), -1)
+        if k and v:
+            cols[0, -1] = -1                      # padding / an id of another shard
+            cols[1] = cols[0].clamp(min=0)        # ids repeated across rows (row 0 among them)
+            cols[-1, 0] = 0
+        pad = cols < 0
+        d = torch.randn(c, k, generator=g).masked_fill(pad, float("nan"))  # a pad's d is never read
+        name = f"c={c} K={k} V={v} H={hd}"
+        # a second chunk: other hidden rows, the first chunk's ids in another order
+        h2, d2 = torch.randn(2, hd, generator=g), torch.randn(2, k, generator=g)
+        cols2 = cols[:2].flip(0).contiguous()
+        d2 = d2.masked_fill(cols2 < 0, float("nan"))
+        h, w, b, cols, pad, d, h2, d2, cols2 = (a.to(dev) for a in (h, w, b, cols, pad, d, h2, d2, cols2))
+        for bias in (None, b):  # the logits of both chunks in one launch
+            xs = tk.logits([(cols, h), (cols2, h2)], w, bias, torch.float32)
+            xs_ref = ref.logits([(cols, h), (cols2, h2)], w, bias, torch.float32)
+            for x, x_ref, kept in zip(xs, xs_ref, (~pad, cols2 >= 0)):
+                assert x.shape == x_ref.shape, name
+                close(x[kept], x_ref[kept], f"{name} logits bias={bias is not None}")
+        close(tk.hidden_grad(d, cols, w), ref.hidden_grad(d, cols, w), f"{name} dh")
+        # dW over both chunks into a base sum, rounded to fp32; and db alone
+        parts = [(d, cols, h), (d2, cols2, h2)]
+        base = torch.randn(v, hd, generator=g).to(dev)
+        for with_base in (False, True):
+            db, db_ref = torch.ones(v, device=dev), torch.ones(v, device=dev)
+            got = tk.weight_grad(parts, w, torch.float32, base.clone() if with_base else None, db)
+            want = ref.weight_grad(parts, w, torch.float32, base.clone() if with_base else None, db_ref)
+            close(got, want, f"{name} dW base={with_base}")
+            close(db, db_ref, f"{name} db")
+            assert torch.isfinite(got).all() and torch.isfinite(db).all(), name  # no pad added anywhere
+        db, db_ref = torch.zeros(v, device=dev), torch.zeros(v, device=dev)
+        assert tk.weight_grad(parts, w, None, None, db) is None
+        ref.weight_grad(parts, w, None, None, db_ref)
+        close(db, db_ref, f"{name} db alone")
+        ran += 1
+    assert tk.GATHERED.name == "triton"
+    print("GATHERED_ROWS_OK", ran)
+    """
+)
+
+# The linear set op on each backend (kernels.use) in both modes (GATHER_RATIO), values and the
+# gradients of hidden, weight and bias: the Triton kernels' against the torch version's.
+_OP_CHECKS = textwrap.dedent(
+    r"""
+    import sys
+    import torch
+    import vparallel_ce
+    from vparallel_ce import kernels, sampling_set
+
+    dev = sys.argv[1]
+    g = torch.Generator().manual_seed(1)
+    n, hd, v, k = 12, 40, 50, 5
+    h = torch.randn(n, hd, generator=g).to(dev)
+    w = (torch.randn(v, hd, generator=g) * 0.3).to(dev)
+    b = torch.randn(v, generator=g).to(dev)
+    t = torch.randint(0, v, (n,), generator=g)
+    sup = torch.stack([torch.cat([t[i:i+1], (t[i] + 1 + torch.randperm(v - 1, generator=g)[:k - 1]) % v])
+                       for i in range(n)])
+    sup[2, 3:] = -1     # padding
+    sup[5] = -1         # the whole vocabulary
+    t[7] = -100         # ignored
+    t, sup = t.to(dev), sup.to(dev)
+    with kernels.use("triton"):
+        assert kernels.ops_for(w).gathered.name == "triton"
+    sets_only = sup.clone()
+    sets_only[5] = sup[4]  # no whole-vocabulary row: the gather mode's dW alone, no fp32 sum beside it
+    out = {}
+    cases = [(mode, rows) for mode in ("gather", "gemm") for rows in ("whole-vocab row", "sets only")]
+    for mode, rows in cases:
+        sampling_set.GATHER_RATIO = 1 if mode == "gather" else 10**9
+        s = sup if rows == "whole-vocab row" else sets_only
+        tt = t.clone()
+        if rows == "sets only":
+            tt[5] = t[4]
+        for choice in ("triton", "torch"):
+            with kernels.use(choice):
+                leaves = [a.clone().requires_grad_() for a in (h, w, b)]
+                lp, ent = vparallel_ce.linear_token_logprobs(leaves[0], leaves[1], tt, leaves[2], support=s,
+                                                             with_entropy=True, temperature=0.9, chunks=2)
+                grads = torch.autograd.grad((lp * torch.linspace(-1, 1, n, device=dev)).sum() + ent.sum(), leaves)
+                out[mode, rows, choice] = (lp, ent, *grads)
+    for mode, rows in cases:
+        for what, a, r in zip(("logp", "entropy", "dh", "dW", "db"), out[mode, rows, "triton"],
+                              out[mode, rows, "torch"]):
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"{mode} {rows} {what}: {m}")
+    print("GATHERED_OP_OK")
+    """
+)
+
+
+@pytest.mark.slow
+@_ON_DEVICES
+def test_kernels_match_the_torch_version(device):
+    _run_checks(_KERNEL_CHECKS, device, "GATHERED_ROWS_OK")
+    _run_checks(_OP_CHECKS, device, "GATHERED_OP_OK")
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("k", [20, 300])  # the rule gathers at 20 of 32000 and takes the GEMM at 300
+@pytest.mark.parametrize("mode", ["rule", "gather", "gemm"])
+def test_bf16_set_op_on_cuda_matches_float64(k, mode):
+    # N=1024, H=512, V=32000 in bf16 with a bias, two chunks, a whole-vocabulary row and padding:
+    # logp, dh, dW, db against float64 on the bf16 values, in each mode
+    import vparallel_ce
+    from vparallel_ce import kernels, sampling_set
+
+    g = torch.Generator().manual_seed(k)
+    n, hd, v = 1024, 512, 32000
+    h = (torch.randn(n, hd, generator=g) / 2).bfloat16()
+    w = (torch.randn(v, hd, generator=g) / hd**0.5 * 4).bfloat16()
+    b = torch.randn(v, generator=g).bfloat16()
+    t = torch.randint(0, v, (n,), generator=g)
+    sup = torch.argsort(torch.rand(n, v, generator=g), -1)[:, :k]
+    sup[:, 0] = torch.where((sup == t[:, None]).any(-1), sup[:, 0], t)
+    sup[3, k // 2:] = -1  # padding (the row's target its first id)
+    t[3] = sup[3, 0]
+    sup[4] = -1           # the whole vocabulary
+    u = torch.randn(n, generator=g, dtype=torch.float64)
+    leaves = [a.double().requires_grad_() for a in (h, w, b)]
+    x = leaves[0] @ leaves[1].T + leaves[2]
+    keep = torch.zeros(n, v, dtype=torch.bool)
+    for i in range(n):
+        row = sup[i][sup[i] >= 0]
+        keep[i, row] = True
+    keep[4] = True
+    want = torch.log_softmax(x.masked_fill(~keep, float("-inf")), -1).gather(1, t[:, None])[:, 0]
+    want_g = torch.autograd.grad((want * u).sum(), leaves)
+    ratio = sampling_set.GATHER_RATIO
+    try:
+        sampling_set.GATHER_RATIO = {"rule": ratio, "gather": 0, "gemm": 10**9}[mode]
+        dev = [a.cuda().requires_grad_() for a in (h, w, b)]
+        assert kernels.ops_for(dev[1]).gathered.name == "triton"
+        lp = vparallel_ce.linear_token_logprobs(dev[0], dev[1], t.cuda(), dev[2], support=sup.cuda(), chunks=2)
+        got_g = torch.autograd.grad((lp.double() * u.cuda()).sum(), dev)
+    finally:
+        sampling_set.GATHER_RATIO = ratio
+    rel = lambda a, r: ((a.double().cpu() - r).abs().max() / r.abs().max()).item()  # noqa: E731
+    assert rel(lp, want.detach()) < 2e-2, ("logp", rel(lp, want.detach()))
+    for what, a, r in zip(("dh", "dW", "db"), got_g, want_g):
+        assert rel(a, r) < 2e-2, (what, rel(a, r))
