@@ -278,16 +278,18 @@ def test_the_default_policy_plans_the_stacked_heads_as_heads(monkeypatch):
         return call, inputs
 
     monkeypatch.setattr(mtp, "linear_call", spy)
-    case = make_case(3, depths=1, bias=False)
-    hiddens, weight, _, labels, pos = case
+    case = make_case(3, depths=1)
+    hiddens, weight, bias, labels, pos = case
     hs = [h.clone().requires_grad_() for h in hiddens]
-    w = weight.clone().requires_grad_()
-    out = vparallel_ce.linear_mtp_loss(hs, w, labels, positions=pos, policy=policy)
+    w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    out = vparallel_ce.linear_mtp_loss(hs, w, labels, b, positions=pos, policy=policy)
     out.loss.backward()
     assert [(p.schedule, p.chunks, p.grad_mode) for p in plans] == [("token", 4, GradMode.IN_FORWARD)]
-    loss, head_losses, _, grads = reference(case)
+    # (each chunk holds one head's rows: its statistics, loss and gradient come out of one pass)
+    loss, head_losses, acceptance, grads = reference(case)
     assert rel_err(out.loss, loss) < 1e-12 and rel_err(out.head_losses, head_losses) < 1e-12
-    assert max(rel_err(x.grad, g) for x, g in zip(hs + [w], grads)) < 1e-12
+    assert torch.equal(out.acceptance, acceptance) and acceptance.sum() > 0
+    assert max(rel_err(x.grad, g) for x, g in zip(hs + [w, b], grads)) < 1e-12
 
 
 def test_runs_under_torch_compile_as_a_graph_break():

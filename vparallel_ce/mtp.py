@@ -33,7 +33,7 @@ from . import comm, compiled, top1
 from .autocast import autocast_off
 from .call import Call, linear_call, settles_check
 from .chunk_walk import Grads, KeptLogits, Schedule, scale_valid_unit_grads
-from .gemm import matmul_inputs
+from .gemm import logits, matmul_inputs
 from .labels import mtp_labels
 from .linear import ChunkSaved
 from .options import Options
@@ -233,6 +233,21 @@ def _mtp_problem(problem: Problem | None, reduction: str) -> Problem | None:
     return problem
 
 
+def _one_pass_head(call: Call, sched: Schedule, rows, c: int, per_head: int) -> int | None:
+    """The head whose rows alone make up token chunk ``c``, where one kernel can make the chunk's
+    statistics, loss and gradient for an upstream gradient of 1 over its kept logits
+    (``loss_stats_grad_``: a read of the logits fewer than statistics then gradient) -- on a rank
+    holding the whole vocab in one block (nothing to exchange between them), not sequence
+    parallel, logits in the matmul dtype (fp32 ones: their gradient is written narrow by the
+    gradient pass) -- else None."""
+    sl = rows.local[c]
+    if (call.layout.sharded or call.sequence_parallel or call.batch_invariant or call.logits_dtype is not None
+            or len(sched.blocks) != 1 or sl.stop <= sl.start or per_head == 0):
+        return None
+    head = sl.start // per_head
+    return head if (sl.stop - 1) // per_head == head else None
+
+
 def _stand_ins(weight):
     like = weight if isinstance(weight, torch.Tensor) and weight.dim() == 2 else torch.zeros(0, 1)
     return like.new_zeros(0, like.shape[-1]), torch.zeros(0, dtype=torch.int64, device=like.device)
@@ -263,7 +278,22 @@ class _LinearMTP(torch.autograd.Function):
             # per head (one more slot for sequence parallelism's padding rows): summed losses and hits
             sums = torch.zeros(n_heads + 1, 2, dtype=cdt, device=h.device)
             saved, kept = [], KeptLogits()
+            per_head = t.numel() // n_heads
             for c, h_c, t_c, targets in sched.walk(call, rows, hm, t):
+                head = _one_pass_head(call, sched, rows, c, per_head) if in_forward else None
+                if head is not None:  # the head's weight is the chunk's: one kernel, as linear_cross_entropy's
+                    x = logits(call, h_c, wm, bm)
+                    mine = top1.local(x, 0)  # (read before the gradient is written over the logits)
+                    # r = 1 / n for mean: the head's c_d / n_d as the divisor n_d / c_d (float64)
+                    st, loss_c = ops.loss_stats_grad_(x, t_c, 1.0 / weights[head], "mean", call.spec)
+                    valid = targets()[2]
+                    hit = valid & (top1.join(mine, lay) == t_c)
+                    sums[head] += torch.stack([loss_c.to(cdt).sum(), hit.to(cdt).sum()])
+                    dh_rows = grads.rows_of(rows, c, h_c)
+                    grads.add_block(sched.blocks[0], x, h_c, wm, dh_rows)
+                    grads.end_chunk(rows, c, dh_rows)
+                    del x
+                    continue
                 best = []
 
                 def see(blk, x, best=best):
