@@ -233,16 +233,13 @@ def _mtp_problem(problem: Problem | None, reduction: str) -> Problem | None:
     return problem
 
 
-def _one_pass_head(call: Call, sched: Schedule, rows, c: int, per_head: int) -> int | None:
+def _one_pass_head(call: Call, sched: Schedule, b, rows, c: int, per_head: int) -> int | None:
     """The head whose rows alone make up token chunk ``c``, where one kernel can make the chunk's
     statistics, loss and gradient for an upstream gradient of 1 over its kept logits
-    (``loss_stats_grad_``: a read of the logits fewer than statistics then gradient) -- on a rank
-    holding the whole vocab in one block (nothing to exchange between them), not sequence
-    parallel, logits in the matmul dtype (fp32 ones: their gradient is written narrow by the
-    gradient pass) -- else None."""
+    (:meth:`Schedule.unit_grad_with_statistics`: a read of the logits fewer than statistics then
+    gradient; the chunk's rows share one weight), else None."""
     sl = rows.local[c]
-    if (call.layout.sharded or call.sequence_parallel or call.batch_invariant or call.logits_dtype is not None
-            or len(sched.blocks) != 1 or sl.stop <= sl.start or per_head == 0):
+    if not sched.unit_grad_with_statistics(call, b) or sl.stop <= sl.start or per_head == 0:
         return None
     head = sl.start // per_head
     return head if (sl.stop - 1) // per_head == head else None
@@ -280,7 +277,7 @@ class _LinearMTP(torch.autograd.Function):
             saved, kept = [], KeptLogits()
             per_head = t.numel() // n_heads
             for c, h_c, t_c, targets in sched.walk(call, rows, hm, t):
-                head = _one_pass_head(call, sched, rows, c, per_head) if in_forward else None
+                head = _one_pass_head(call, sched, b, rows, c, per_head) if in_forward else None
                 if head is not None:  # the head's weight is the chunk's: one kernel, as linear_cross_entropy's
                     x = logits(call, h_c, wm, bm)
                     mine = top1.local(x, 0)  # (read before the gradient is written over the logits)
@@ -289,9 +286,7 @@ class _LinearMTP(torch.autograd.Function):
                     valid = targets()[2]
                     hit = valid & (top1.join(mine, lay) == t_c)
                     sums[head] += torch.stack([loss_c.to(cdt).sum(), hit.to(cdt).sum()])
-                    dh_rows = grads.rows_of(rows, c, h_c)
-                    grads.add_block(sched.blocks[0], x, h_c, wm, dh_rows)
-                    grads.end_chunk(rows, c, dh_rows)
+                    grads.add_chunk(rows, c, h_c, sched.blocks[0], wm, x)
                     del x
                     continue
                 best = []
