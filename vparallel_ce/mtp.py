@@ -280,9 +280,10 @@ class _LinearMTP(torch.autograd.Function):
                 head = _one_pass_head(call, sched, b, rows, c, per_head) if in_forward else None
                 if head is not None:  # the head's weight is the chunk's: one kernel, as linear_cross_entropy's
                     x = logits(call, h_c, wm, bm)
-                    mine = top1.local(x, 0)  # (read before the gradient is written over the logits)
-                    # r = 1 / n for mean: the head's c_d / n_d as the divisor n_d / c_d (float64)
-                    st, loss_c = ops.loss_stats_grad_(x, t_c, 1.0 / weights[head], "mean", call.spec)
+                    # r = 1 / n for mean: the head's c_d / n_d as the divisor n_d / c_d (float64); the
+                    # top-1 read in the same pass, before the gradient is written over the logits
+                    st, loss_c, mine = ops.loss_stats_grad_(x, t_c, 1.0 / weights[head], "mean", call.spec,
+                                                            with_top1=True)
                     valid = targets()[2]
                     hit = valid & (top1.join(mine, lay) == t_c)
                     sums[head] += torch.stack([loss_c.to(cdt).sum(), hit.to(cdt).sum()])
