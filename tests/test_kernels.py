@@ -128,6 +128,30 @@ _INTERPRETER_CHECKS = textwrap.dedent(
                     assert got_loss[3] == 0 and (got_x[3] == 0).all(), where
         ran += 1
 
+    # with_top1: each row's largest logit and its first column, read in the pass that then writes the
+    # gradient over the row (linear_mtp_loss's acceptance): ties in a tile and across tiles, a nan
+    # row (its id means nothing: the value says nan), an all -inf row, a +inf logit
+    from vparallel_ce import top1
+    for dtype in (torch.float32, torch.bfloat16):
+        width = 2 * 4096 + 300
+        x = torch.randn(6, width).to(dtype)
+        x[0, 7] = x[0, 9] = 60.0
+        x[1, 5] = x[1, 4096 + 10] = x[1, 8192 + 1] = 50.0
+        x[2, 100] = float("nan")
+        x[3] = float("-inf")
+        x[4, 8200] = float("inf")
+        t = torch.tensor([7, 4106, 1, -100, 8200, 3])
+        want = top1.local(x, 0)
+        spec = stats.LossSpec(width)
+        for fn in (tc.loss_stats_grad_, stats.loss_stats_grad_):
+            y = x.clone()
+            *_, got = fn(y, t, (t != -100).sum(), "mean", spec, with_top1=True)
+            rows = [0, 1, 3, 4, 5]
+            assert torch.equal(got.id[rows], want.id[rows]), (fn, dtype, got.id, want.id)
+            assert torch.equal(got.value[rows], want.value[rows]) and got.value[2].isnan(), (fn, dtype, got.value)
+            assert got.id[0] == 7 and got.id[1] == 5 and got.id[3] == 0 and got.id[4] == 8200
+            assert not torch.equal(y, x)  # the gradient was written over the logits after the read
+
     # g * x with the product in fp32, rounded once, per row or scalar, in place: fp32 bitwise the
     # reference's; 16-bit within one ulp (the interpreter's fp32 -> bf16 rounding is not the GPU's
     # round-to-nearest-even; the CUDA test checks bitwise)
@@ -296,6 +320,12 @@ def test_one_pass_statistics_and_gradient_on_cuda(opts):
         torch.testing.assert_close(got_x.float(), ref_x.float(), rtol=1e-2, atol=1e-7,
                                    msg=lambda m: f"dx {reduction} {opts}: {m}")
         assert (got_x[::7] == 0).all() and (got_loss[::7] == 0).all()
+    # the top-1 of the same pass, bf16 logits with many ties within a tile (values on a coarse grid)
+    from vparallel_ce import top1
+    tied = (torch.randint(0, 8, (c, width), device="cuda") * 0.5).to(torch.bfloat16)
+    *_, best = tc.loss_stats_grad_(tied.clone(), target, None, "sum", spec, with_top1=True)
+    want = top1.local(tied, 0)
+    assert torch.equal(best.value, want.value) and torch.equal(best.id, want.id)
     for g in (torch.tensor(1 / 3, device="cuda"), torch.rand(c, device="cuda") + 0.5):
         assert torch.equal(tc.scale_rows(x, g), stats.scale_rows(x, g))
         got = tc.scale_rows(x, g, target=target, ignore_index=-100)

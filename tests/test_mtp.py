@@ -259,6 +259,39 @@ def test_no_tensor_as_large_as_the_heads_logits_when_chunked():
         assert largest >= rows * v // 8  # one chunk of logits did exist: the watch works
 
 
+def test_the_default_policy_plans_the_stacked_heads_as_heads(monkeypatch):
+    # a default budget this small makes the tiny case what Llama3-8B's lm_head is at full size: one
+    # token row of fp32 logits (52 bytes) fits it, the fp32 dW accumulator (312 bytes) does not,
+    # so one head's rows walk vocab blocks; the op plans its 2 x 14 stacked rows as 2 heads
+    from vparallel_ce import chunk_policy, mtp
+    from vparallel_ce.policy import ChunkPolicy, GradMode, choose_plan
+
+    monkeypatch.setattr(chunk_policy, "DEFAULT_BUDGET_BYTES", 200)
+    monkeypatch.setattr(chunk_policy, "_PLANS", {})
+    policy = ChunkPolicy(min_chunk_tokens=2)
+    assert choose_plan(28, 13, hidden_size=H, policy=policy).schedule == "vocab"
+    plans, front_door = [], mtp.linear_call
+
+    def spy(*args, **kw):
+        call, inputs = front_door(*args, **kw)
+        plans.append(call.plan)
+        return call, inputs
+
+    monkeypatch.setattr(mtp, "linear_call", spy)
+    case = make_case(3, depths=1)
+    hiddens, weight, bias, labels, pos = case
+    hs = [h.clone().requires_grad_() for h in hiddens]
+    w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    out = vparallel_ce.linear_mtp_loss(hs, w, labels, b, positions=pos, policy=policy)
+    out.loss.backward()
+    assert [(p.schedule, p.chunks, p.grad_mode) for p in plans] == [("token", 4, GradMode.IN_FORWARD)]
+    # (each chunk holds one head's rows: its statistics, loss and gradient come out of one pass)
+    loss, head_losses, acceptance, grads = reference(case)
+    assert rel_err(out.loss, loss) < 1e-12 and rel_err(out.head_losses, head_losses) < 1e-12
+    assert torch.equal(out.acceptance, acceptance) and acceptance.sum() > 0
+    assert max(rel_err(x.grad, g) for x, g in zip(hs + [w, b], grads)) < 1e-12
+
+
 def test_runs_under_torch_compile_as_a_graph_break():
     hiddens, w, _, labels, pos = make_case(8, depths=1, bias=False)
     wl = w.clone().requires_grad_()

@@ -297,3 +297,41 @@ def test_at_1024_tokens_auto_is_the_fastest_of_our_plans_at_its_peak_from_idle_a
             assert all(mine < ms for ms, _ in rivals), (shape, key, chosen, mine, rivals)
             checked += 1
     assert checked == 4
+
+
+_MTP_SHAPES = {"deepseek_v3": (7168, 129280), "llama3_8b": (4096, LLAMA3_V)}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_stacked_heads_take_token_chunks_of_one_head_with_gradients_in_forward(fused):
+    # linear_mtp_loss at the MTP benchmark's shapes: as one head, the default walks vocab blocks
+    # (4 matmuls); D + 1 heads' rows stacked take one token chunk per head, gradients made in
+    # forward (3 matmuls), whose modelled peak does not grow with the heads
+    for name, (h, v) in _MTP_SHAPES.items():
+        peaks = []
+        for heads in (2, 4):
+            rows = heads * 8192
+            assert choose_plan(rows, v, 1, hidden_size=h, fused=fused).schedule == "vocab", name
+            plan = choose_plan(rows, v, 1, hidden_size=h, fused=fused, heads=heads)
+            assert (plan.schedule, plan.chunks, plan.grad_mode) == ("token", heads, GradMode.IN_FORWARD), (name, plan)
+            peaks.append(vparallel_ce.policy.peak_bytes(plan, rows, v, hidden_size=h))
+            text = explain(rows, v, hidden_size=h, fused=fused, heads=heads)
+            assert f"{heads} heads of 8192 rows are stacked" in text, text
+        # what grew is the added rows' dh (the model's fp32 sum and its bf16 copy), not the logits
+        assert peaks[1] - peaks[0] <= 2 * 8192 * (4 + 2) * h, (name, peaks)
+    # long heads: chunks no larger in bf16 logits than the fp32 dW accumulator (2 H rows)
+    assert choose_plan(2 * 32768, LLAMA3_V, 1, hidden_size=4096, heads=2).chunks == 8
+    # where the accumulator fits the budget, the budget's fewer chunks (here 2 heads each)
+    assert choose_plan(4 * 8192, LLAMA3_V, 8, hidden_size=4096, fused=fused, heads=4).chunks == 2
+
+
+def test_stacked_heads_keep_the_callers_bounds_and_one_chunk():
+    rows, v, h = 2 * 8192, LLAMA3_V, 4096
+    same = [dict(policy=ChunkPolicy(budget_bytes=GiB)), dict(policy=ChunkPolicy(memory_bytes=2 * GiB)),
+            dict(policy=ChunkPolicy(microbatches_in_flight=2)), dict(recompute=True), dict(chunks=3),
+            dict(schedule="vocab"), dict(reduction="none")]
+    for kw in same:
+        assert choose_plan(rows, v, 1, hidden_size=h, heads=2, **kw) == choose_plan(rows, v, 1, hidden_size=h, **kw), kw
+    # one token chunk fits (a TP=8 shard): its logits are kept for the backward, as for one head
+    plan = choose_plan(2 * 8192, v, 8, hidden_size=h, fused=True, heads=2)
+    assert (plan.schedule, plan.chunks, plan.keep_logits) == ("token", 1, True)

@@ -336,7 +336,7 @@ def linear_call(hidden, weight, target, bias, *, op: str, group, options: Option
             policy.plan, vocab_size=lay.vocab_size, tp_degree=lay.world, hidden_size=weight.shape[-1],
             reduction=o.reduction, chunks=o.chunks, schedule=o.schedule, recompute=o.recompute, fused=fused,
             logits_dtype=logits, distillation=None if distillation is None else distillation(
-                weight, 0 if sp or bias is not None else matmul.itemsize))
+                weight, 0 if sp or bias is not None else matmul.itemsize), heads=max(o.mtp_heads, 1))
         plan = replan(sum(counts))
         if distillation is None:  # (the distillation plans' chunks are bounded by the budget at any count)
             replan = functools.partial(_no_larger, replan, plan, sum(counts), lay.vocab_size, lay.world,

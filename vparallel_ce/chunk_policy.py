@@ -136,7 +136,7 @@ class ChunkPolicy:
     def plan(self, num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,
              reduction: str = "mean", chunks: int | str = "auto", schedule: str = "auto",
              recompute: bool | None = None, fused: bool = False, logits_dtype: torch.dtype | None = None,
-             distillation: "DistillShape | None" = None) -> Plan:
+             distillation: "DistillShape | None" = None, heads: int = 1) -> Plan:
         """The plan of one call. ``hidden_size=None`` plans ``cross_entropy`` (logits given: token
         chunks, gradients in backward); otherwise ``linear_cross_entropy`` with the call's
         ``chunks``, ``schedule`` and ``recompute`` (precedence in :mod:`vparallel_ce.policy`'s
@@ -146,12 +146,14 @@ class ChunkPolicy:
         (:attr:`vparallel_ce.call.Call.logits_dtype`), for the memory target's model (:func:`peak_bytes`).
         ``distillation``: plans a distillation op instead (:meth:`_distill_plan`; ``hidden_size``,
         ``schedule``, ``recompute``, ``fused`` and ``logits_dtype`` are then not read).
+        ``heads``: the call stacks the rows of this many heads of ``num_tokens / heads`` rows each
+        (``linear_mtp_loss``: the main head and ``D`` depths; :meth:`_heads_plan`).
 
         Memoised: the plan is a pure function of these arguments, and every call asks for it on
         the host path before its first GEMM (a plain dict, which ``torch.compile`` traces
         without warnings, unlike ``functools`` caches)."""
         key = (self, num_tokens, vocab_size, tp_degree, hidden_size, reduction, chunks, schedule, recompute, fused,
-               logits_dtype, distillation)
+               logits_dtype, distillation, heads)
         try:
             found = _PLANS.get(key)
         except TypeError:  # an unhashable argument: plan it uncached (its check will name it)
@@ -167,6 +169,12 @@ class ChunkPolicy:
                 found = self._plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, reduction=reduction,
                                    chunks=chunks, schedule=schedule, recompute=recompute, fused=fused,
                                    logits_dtype=logits_dtype)
+                # stacked heads (_heads_plan), unless the caller bounds memory or wants gradients in backward
+                if heads > 1 and hidden_size is not None and recompute is not True and reduction != "none" and (
+                        chunks, schedule, self.budget_bytes, self.memory_bytes, self.microbatches_in_flight) == (
+                        "auto", "auto", None, None, 1) and (found.schedule, found.chunks) != ("token", 1):
+                    found = self._heads_plan(found, num_tokens, local_vocab(vocab_size, tp_degree), hidden_size, heads,
+                                             logits_dtype)
             if key is not None:
                 if len(_PLANS) >= 1024:
                     _PLANS.clear()
@@ -265,6 +273,26 @@ class ChunkPolicy:
             why.append("vocab blocks recompute their logits in backward (memory at the floor)")
         mode = GradMode.IN_FORWARD if gif else GradMode.FROM_KEPT_LOGITS if keep else GradMode.RECOMPUTE
         return Plan(schedule, k, mode, tuple(why))
+
+    def _heads_plan(self, plan: Plan, num_tokens: int, v_loc: int, hidden_size: int, heads: int,
+                    logits_dtype: torch.dtype | None) -> Plan:
+        """``heads`` heads' rows stacked in one call (``linear_mtp_loss``), which :meth:`_plan` gave
+        ``plan`` as one head's: token chunks of at most one head's rows, gradients made in forward
+        (3 matmuls; one head's logits beside the fp32 dW accumulator, ``4 V_loc H``, however many
+        heads), each no larger in logits than it (``2 H`` rows at 2 bytes a logit, ``H`` for fp32
+        logits; >= ``min_chunk_tokens``), or the budget's chunks if fewer where the sum fits it."""
+        per_head, logit = math.ceil(num_tokens / heads), 4 if logits_dtype is not None else 2
+        k = heads * math.ceil(per_head / max(1, min(per_head, max(self.min_chunk_tokens, 4 * hidden_size // logit))))
+        accumulator = 4 * v_loc * hidden_size
+        if accumulator <= self.budget:
+            k = min(k, self._chunks_of_rows(num_tokens, v_loc * 4))
+        k = _token_chunks(k, num_tokens)
+        rows = math.ceil(num_tokens / k)
+        why = (f"{heads} heads of {per_head} rows are stacked: {k} token chunks of <= {rows} rows ("
+               f"{rows * v_loc * logit / GiB:.2f} GiB of logits, at most one head's, beside the "
+               f"{accumulator / GiB:.2f} GiB fp32 dW accumulator), gradients made in forward: 3 matmuls (a plain "
+               "loss holds all heads' logits)")
+        return Plan("token", k, GradMode.IN_FORWARD, ("as one head's rows: " + plan.why[0], why))
 
     def _distill_plan(self, num_tokens: int, vocab_size: int, tp_degree: int, shape: "DistillShape", *,
                       reduction: str, chunks: int | str) -> Plan:

@@ -195,6 +195,13 @@ class Grads:
             self.dw_begun.add(blk.start)
             mm_into(_part(self.dw, blk), dx.t(), h_c, accumulate=begun)
 
+    def add_chunk(self, rows: Rows, c: int, h_c: torch.Tensor, blk: slice, w_blk: torch.Tensor,
+                  dx: torch.Tensor) -> None:
+        """Chunk ``c``'s gradients from ``dx``, the gradient of its logits in one block ``blk``."""
+        dh_rows = self.rows_of(rows, c, h_c)
+        self.add_block(blk, dx, h_c, w_blk, dh_rows)
+        self.end_chunk(rows, c, dh_rows)
+
     def end_chunk(self, rows: Rows, c: int, dh_rows) -> None:
         if dh_rows is not None and rows.call.sequence_parallel:
             self.dh[rows.local[c]] = rows.scatter_grad(c, dh_rows)
@@ -287,9 +294,15 @@ class Schedule:
         """Whether a kept chunk's logits are turned into their gradient (for an upstream gradient of
         1) by the statistics' own kernel, in forward (:func:`~vparallel_ce.stats.loss_stats_grad_`:
         one pass over the logits instead of two, and the backward's first kernel is a GEMM): one
-        chunk of one block, on a rank holding the whole vocab (no exchange between the statistics
-        and the gradient), not sequence parallel; a bias only with a scalar upstream gradient."""
-        return (self.keep_logits and self.row_chunks == 1 and len(self.blocks) == 1 and not call.layout.sharded
+        chunk (:meth:`unit_grad_with_statistics`)."""
+        return self.row_chunks == 1 and self.unit_grad_with_statistics(call, b)
+
+    def unit_grad_with_statistics(self, call: Call, b) -> bool:
+        """Whether each kept chunk's statistics, loss and gradient for an upstream gradient of 1 can
+        come out of one kernel (:func:`~vparallel_ce.stats.loss_stats_grad_`): one block, on a rank
+        holding the whole vocab (no exchange between the statistics and the gradient), not
+        sequence parallel; a bias only with a scalar upstream gradient."""
+        return (self.keep_logits and len(self.blocks) == 1 and not call.layout.sharded
                 and not call.sequence_parallel and not (b is not None and call.reduction == "none")
                 and not call.batch_invariant)  # (its g is applied to dx W, not to dx: another rounding)
 

@@ -202,6 +202,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if mode is Backward.SCALE:
                 grads = Grads(h, w, b, need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)
             n_valid, per_token = None, []
+            one_pass = mode is Backward.SCALE and sched.unit_grad_with_statistics(call, b)
             for c, h_c, t_c, targets in sched.walk(call, rows, hm, t):
                 if mode is Backward.UNIT_LOGITS:
                     # one kernel makes the chunk's target maps, statistics, loss, and the kept
@@ -214,6 +215,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     saved.kept.add([x])
                     # no kernels for the coefficients now; a recomputing walk makes the target maps again
                     saved.chunks.append(ChunkSaved(st.max, unit=(st, t_c, n_valid)))
+                    continue
+                if one_pass:  # as UNIT_LOGITS, chunk by chunk: the gradient for 1 made at once from it
+                    x = logits(call, h_c, wm, bm)
+                    if n_valid is None and call.reduction == "mean":
+                        n_valid = call.valid_count(t)
+                    st, loss_c = ops.loss_stats_grad_(x, t_c, n_valid, call.reduction, spec)
+                    per_token.append(loss_c)
+                    grads.add_chunk(rows, c, h_c, sched.blocks[0], wm, x)
+                    del x
                     continue
                 st, kept = sched.statistics(call, ops, h_c, wm, bm, targets)
                 local_t, owned, valid = targets()

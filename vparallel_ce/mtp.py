@@ -33,7 +33,7 @@ from . import comm, compiled, top1
 from .autocast import autocast_off
 from .call import Call, linear_call, settles_check
 from .chunk_walk import Grads, KeptLogits, Schedule, scale_valid_unit_grads
-from .gemm import matmul_inputs
+from .gemm import logits, matmul_inputs
 from .labels import mtp_labels
 from .linear import ChunkSaved
 from .options import Options
@@ -233,6 +233,18 @@ def _mtp_problem(problem: Problem | None, reduction: str) -> Problem | None:
     return problem
 
 
+def _one_pass_head(call: Call, sched: Schedule, b, rows, c: int, per_head: int) -> int | None:
+    """The head whose rows alone make up token chunk ``c``, where one kernel can make the chunk's
+    statistics, loss and gradient for an upstream gradient of 1 over its kept logits
+    (:meth:`Schedule.unit_grad_with_statistics`: a read of the logits fewer than statistics then
+    gradient; the chunk's rows share one weight), else None."""
+    sl = rows.local[c]
+    if not sched.unit_grad_with_statistics(call, b) or sl.stop <= sl.start or per_head == 0:
+        return None
+    head = sl.start // per_head
+    return head if (sl.stop - 1) // per_head == head else None
+
+
 def _stand_ins(weight):
     like = weight if isinstance(weight, torch.Tensor) and weight.dim() == 2 else torch.zeros(0, 1)
     return like.new_zeros(0, like.shape[-1]), torch.zeros(0, dtype=torch.int64, device=like.device)
@@ -263,7 +275,21 @@ class _LinearMTP(torch.autograd.Function):
             # per head (one more slot for sequence parallelism's padding rows): summed losses and hits
             sums = torch.zeros(n_heads + 1, 2, dtype=cdt, device=h.device)
             saved, kept = [], KeptLogits()
+            per_head = t.numel() // n_heads
             for c, h_c, t_c, targets in sched.walk(call, rows, hm, t):
+                head = _one_pass_head(call, sched, b, rows, c, per_head) if in_forward else None
+                if head is not None:  # the head's weight is the chunk's: one kernel, as linear_cross_entropy's
+                    x = logits(call, h_c, wm, bm)
+                    # r = 1 / n for mean: the head's c_d / n_d as the divisor n_d / c_d (float64); the
+                    # top-1 read in the same pass, before the gradient is written over the logits
+                    st, loss_c, mine = ops.loss_stats_grad_(x, t_c, 1.0 / weights[head], "mean", call.spec,
+                                                            with_top1=True)
+                    valid = targets()[2]
+                    hit = valid & (top1.join(mine, lay) == t_c)
+                    sums[head] += torch.stack([loss_c.to(cdt).sum(), hit.to(cdt).sum()])
+                    grads.add_chunk(rows, c, h_c, sched.blocks[0], wm, x)
+                    del x
+                    continue
                 best = []
 
                 def see(blk, x, best=best):

@@ -69,20 +69,22 @@ def choose_chunks(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, dtype
 def choose_plan(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,
                 reduction: str = "mean", policy: ChunkPolicy | None = None, chunks: int | str = "auto",
                 schedule: str = "auto", recompute: bool | None = None, fused: bool = False,
-                logits_dtype: torch.dtype | None = None, distillation: DistillShape | None = None) -> Plan:
+                logits_dtype: torch.dtype | None = None, distillation: DistillShape | None = None,
+                heads: int = 1) -> Plan:
     """The :class:`Plan` a call with these arguments runs (``hidden_size=None``: ``cross_entropy``;
-    ``distillation``: a distillation op)."""
+    ``distillation``: a distillation op; ``heads``: ``linear_mtp_loss`` over ``num_tokens`` rows
+    of that many heads stacked)."""
     return (policy or DEFAULT_POLICY).plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size,
                                            reduction=reduction, chunks=chunks, schedule=schedule,
                                            recompute=recompute, fused=fused, logits_dtype=logits_dtype,
-                                           distillation=distillation)
+                                           distillation=distillation, heads=heads)
 
 
 def explain(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size: int | None = None,
             reduction: str = "mean", policy: ChunkPolicy | None = None, chunks: int | str = "auto",
             schedule: str = "auto", recompute: bool | None = None, fused: bool = False,
             dtype: torch.dtype = torch.bfloat16, logits_dtype: torch.dtype | None = None,
-            distillation: DistillShape | None = None) -> str:
+            distillation: DistillShape | None = None, heads: int = 1) -> str:
     """One paragraph: the plan a call with these arguments runs, why, and (``linear_cross_entropy``)
     its peak memory by :func:`peak_bytes` for ``dtype`` operands. The arguments are the call's own
     (``num_tokens`` over the whole group with sequence parallelism); ``hidden_size=None`` explains
@@ -91,15 +93,18 @@ def explain(num_tokens: int, vocab_size: int, tp_degree: int = 1, *, hidden_size
     bf16/fp16 on a GPU with Triton. ``logits_dtype``: the call's (``torch.float32`` for fp32 logits of
     ``dtype`` operands). ``distillation``: explains ``distillation_loss`` (``hidden_sizes=None``) or
     ``linear_distillation_loss`` instead, with one chunk's working set by
-    :func:`distillation_chunk_bytes`."""
+    :func:`distillation_chunk_bytes`. ``heads``: explains ``linear_mtp_loss`` instead, ``num_tokens``
+    being the rows of that many heads stacked (``(D + 1) N``)."""
     policy = policy or DEFAULT_POLICY
     if distillation is not None:
         return _explain_distillation(num_tokens, vocab_size, tp_degree, distillation, policy=policy,
                                      reduction=reduction, chunks=chunks)
     wide = logits_dtype if logits_dtype is not None and logits_dtype.itemsize > dtype.itemsize else None
     p = policy.plan(num_tokens, vocab_size, tp_degree, hidden_size=hidden_size, reduction=reduction,
-                    chunks=chunks, schedule=schedule, recompute=recompute, fused=fused, logits_dtype=wide)
-    op = "cross_entropy" if hidden_size is None else "linear_cross_entropy"
+                    chunks=chunks, schedule=schedule, recompute=recompute, fused=fused, logits_dtype=wide,
+                    heads=heads)
+    op = "cross_entropy" if hidden_size is None else "linear_cross_entropy" if heads <= 1 else \
+        f"linear_mtp_loss ({heads} heads' rows stacked)"
     unit = "token chunk" if p.schedule == "token" else "vocab block"
     grads = "in backward" if hidden_size is None else p.grad_mode.value
     matmuls, memory = "", ""

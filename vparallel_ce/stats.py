@@ -61,7 +61,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import comm
+from . import comm, top1
 
 __all__ = ["LossSpec", "ChunkStats", "TokenStats", "GradCoefs", "local_targets", "block_targets", "local_stats",
            "finite_shift", "merge", "combine", "whole_vocab", "token_loss", "loss_grad_coefs", "token_weights",
@@ -363,24 +363,28 @@ def unit_loss_coefs(st: TokenStats, valid: torch.Tensor, n_valid: torch.Tensor |
 
 
 def loss_stats_grad_(x: torch.Tensor, target: torch.Tensor, n_valid: torch.Tensor | None, reduction: str,
-                     spec: LossSpec) -> tuple[ChunkStats, torch.Tensor]:
+                     spec: LossSpec, *, with_top1: bool = False):
     """Step 1, the loss and the backward in one go, for a rank that holds the WHOLE vocab (nothing
     to exchange between them) and one chunk of the call's tokens. ``x [c, V]`` is overwritten with
     ``d(sum_i r_i loss_i) / d x`` (in ``x``'s dtype), the loss' gradient for an upstream gradient
     of 1: ``r`` are the :func:`token_weights` (``1 / n_valid`` on the valid tokens for mean, 1 for
     sum and none; ``n_valid``, the call's valid-token count, is read for mean only). ``target
     [c]``: the global ids (an id outside ``[0, V)`` owns no logit, as :func:`local_targets` has
-    it). Returns the statistics and the per-token loss (0 on ignored tokens; :func:`token_loss`).
+    it). Returns the statistics and the per-token loss (0 on ignored tokens; :func:`token_loss`),
+    and with ``with_top1`` each row's greedy token read before the gradient is written
+    (:func:`vparallel_ce.top1.local` of ``x``, a whole shard at column 0).
 
     Everything per token is made from the row in the one kernel of the Triton version (no
     kernels for the target maps, the weights or the loss): it reads each row twice (the second
     time mostly from cache) and writes it once."""
+    best = top1.local(x, 0) if with_top1 else None
     local_t, owned, valid = local_targets(target, 0, x.shape[-1], spec.ignore_index)
     st = local_stats(x, local_t, owned, spec)
     coefs = loss_grad_coefs(st.max, torch.log(st.sumexp), token_weights(valid, n_valid, reduction, st.max.dtype),
                             spec, valid)
     x.copy_(grad_logits(x, local_t, owned, st.max, coefs, spec))
-    return st, token_loss(whole_vocab(st), valid, spec)
+    loss = token_loss(whole_vocab(st), valid, spec)
+    return (st, loss, best) if with_top1 else (st, loss)
 
 
 def scale_rows(x: torch.Tensor, g: torch.Tensor, out: torch.Tensor | None = None, *,

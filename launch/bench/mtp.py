@@ -17,6 +17,13 @@ Every method computes torchtitan's normalisation: ``(S_0 + mtp_scale * mean_d S_
 passed for every head). Methods, ``D`` the depths:
 
 * ``ours:D`` -- ``vparallel_ce.linear_mtp_loss`` (no logits beyond one chunk), ``chunks="auto"``;
+  ``ours:D:K`` the same with ``chunks=K`` token chunks of the stacked ``(D + 1) N`` rows (``K = 1``:
+  every head's logits kept for the backward; ``K > 1``: gradients made in forward),
+  ``ours:D:vocab:K`` with ``K`` vocab blocks (4 matmuls); the record's ``plan`` names what ran;
+* ``lce:D`` / ``lce:D:K`` -- the single-head ``vparallel_ce.linear_cross_entropy`` on the same stacked
+  rows (the hiddens concatenated, each head's rolled labels), ``"sum"`` over ``n_0``, with the
+  plan of ``ours:D`` (or ``chunks=K``): the chunk walk without the MTP op's own work (per-row
+  weights, per-head sums, top-1); every row weighs 1, so it gets no error columns;
 * ``titan:D`` -- the lm_head as bf16 matmuls, then torchtitan's ``MTPLoss`` on the ``D + 1`` logits;
   ``titan_compile:D`` the same with torchtitan's loss compile (``compile.components=["loss"]``);
 * ``plain:D`` -- the same math written out here (fp32 upcast, ``F.cross_entropy``), for machines
@@ -26,6 +33,8 @@ Run from the repository root::
 
     python -m launch.bench.mtp --out mtp.jsonl            # one GPU: both shapes, every method
     python -m launch.bench.mtp --smoke --out smoke.jsonl  # CPU, tiny shapes
+    python -m launch.bench.mtp --shapes llama3_8b --repeats 5 \
+        --methods compile:1,ours:1,ours:1:1,ours:1:4,ours:1:vocab:16,lce:1   # where the time goes
 """
 
 from __future__ import annotations
@@ -39,14 +48,16 @@ import torch.nn.functional as F
 import vparallel_ce
 from launch.bench.harness import build_methods, parse_run, record_error, run_shapes
 from launch.bench.timing import clear_grads, peak_of, timed_in_rounds
+from vparallel_ce import kernels
 from vparallel_ce.labels import mtp_labels
+from vparallel_ce.policy import choose_plan
 
 SCALE = 0.3
 DOC = 1024  # packed document length
 SHAPES = {"deepseek_v3": (8192, 7168, 129280), "llama3_8b": (8192, 4096, 128256)}
 SMOKE_SHAPES = {"smoke": (96, 32, 500), "smoke_odd": (70, 24, 333)}
 METHODS = ("ours:1", "titan:1", "titan_compile:1", "compile:1", "ours:3", "titan:3", "titan_compile:3", "compile:3")
-SMOKE_METHODS = ("ours:1", "plain:1", "ours:3", "plain:3")
+SMOKE_METHODS = ("ours:1", "plain:1", "ours:3", "plain:3", "ours:3:2", "ours:1:vocab:2", "lce:3")
 
 
 # ------------------------------------------------------------------------------------------ the math
@@ -80,12 +91,36 @@ def reference(hs, w, labels, positions, n_main, rows=1024):
 
 # ------------------------------------------------------------------------------------------ methods
 
+def ours_knobs(name: str) -> dict:
+    """``chunks`` and ``schedule`` of ``ours:D[:K | :vocab:K]`` and ``lce:D[:K]``."""
+    _, _, *rest = name.split(":")
+    if not rest:
+        return dict(chunks="auto", schedule="auto")
+    if rest[0] == "vocab":
+        return dict(chunks=int(rest[1]), schedule="vocab")
+    return dict(chunks=int(rest[0]), schedule="auto")
+
+
+def ours_plan(name: str, n: int, h: int, v: int, device) -> str:
+    """The plan ``ours...`` / ``lce...`` runs at ``n`` tokens per head, as ``token x2 / fwd``."""
+    base, d = name.split(":")[:2]
+    if base not in ("ours", "lce"):
+        return ""
+    fused = kernels.fused_applies(device, torch.bfloat16)
+    plan = choose_plan((int(d) + 1) * n, v, 1, hidden_size=h, fused=fused, heads=int(d) + 1, **ours_knobs(name))
+    how = "fwd" if plan.grad_in_forward else "kept" if plan.keep_logits else "re"
+    return f"{plan.schedule}x{plan.chunks}/{how}"
+
+
 def make_method(name: str, device: torch.device):
     """``fn(hs, w, labels, positions, n_main) -> loss``, or None when not available here."""
     base = name.split(":")[0]
     if base == "ours":
+        knobs = ours_knobs(name)
         return lambda hs, w, labels, positions, n_main: vparallel_ce.linear_mtp_loss(
-            hs, w, labels, positions=positions, mtp_scale=SCALE, num_valid_tokens=n_main).loss
+            hs, w, labels, positions=positions, mtp_scale=SCALE, num_valid_tokens=n_main, **knobs).loss
+    if base == "lce":
+        return _stacked_lce(ours_knobs(name))
     if base == "plain":
         return _plain
     if base == "compile":
@@ -93,6 +128,26 @@ def make_method(name: str, device: torch.device):
     if base in ("titan", "titan_compile"):
         return _titan(compiled=base == "titan_compile")
     raise ValueError(f"unknown method {name!r}")
+
+
+def _stacked_lce(knobs: dict):
+    """``linear_cross_entropy`` over every head's rows stacked, each row weighing 1; the plan of
+    ``linear_mtp_loss`` over the same rows (``knobs``: the chunks and schedule; ``"auto"`` plans
+    the stacked heads as that op does)."""
+
+    def fn(hs, w, labels, positions, n_main):
+        heads = mtp_labels(labels, len(hs) - 1, positions=positions)
+        chunks, schedule = knobs["chunks"], knobs["schedule"]
+        if chunks == "auto":  # the stacked heads' plan, as linear_mtp_loss takes it
+            plan = choose_plan(len(hs) * labels.numel(), w.shape[0], 1, hidden_size=w.shape[1],
+                               fused=kernels.fused_applies(w.device, w.dtype), heads=len(hs))
+            chunks, schedule = plan.chunks, plan.schedule
+        h_all = torch.cat([h.reshape(-1, h.shape[-1]) for h in hs])
+        t_all = torch.cat([t.reshape(-1) for t in heads])
+        return vparallel_ce.linear_cross_entropy(h_all, w, t_all, reduction="sum", chunks=chunks,
+                                                 schedule=schedule) / n_main
+
+    return fn
 
 
 def _titan(*, compiled: bool):
@@ -128,7 +183,11 @@ def bench_shape(tag, shape, args, device, emit):
     hiddens = {d: [torch.randn(1, n, h, generator=g).to(device, dt).requires_grad_() for _ in range(d + 1)]
                for d in depths}
     records, fns = build_methods(args.methods, lambda name: make_method(name, device), lambda name: dict(
-        shape=tag, N=n, H=h, V=v, method=name, depths=int(name.split(":")[1])))
+        shape=tag, N=n, H=h, V=v, method=name, depths=int(name.split(":")[1]),
+        plan=ours_plan(name, n, h, v, device)))
+    for name, rec in records.items():
+        if rec["plan"]:
+            print(f"# {tag}: {name} runs {rec['plan']}", flush=True)
     refs = {}
 
     def once(name):
@@ -147,7 +206,7 @@ def bench_shape(tag, shape, args, device, emit):
                 raise got
             peak, loss = peak_of(lambda: once(name), params, device)
             rec.update(ms=got, peak_gib=peak)
-            if not args.no_ref:
+            if not args.no_ref and not name.startswith("lce"):  # (lce weighs every row 1: another loss)
                 d = rec["depths"]
                 hs = hiddens[d]
                 if d not in refs:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import stats
+from .. import stats, top1
 from . import gathered_rows, triton_distill
 from .backend import KernelBackend
 from .config import interpreting
@@ -59,18 +59,31 @@ def _z(x, cap, inv_cap, inv_t, HAS_CAP: tl.constexpr, HAS_T: tl.constexpr):
 
 @triton.jit
 def _row_stats(base, W, cap, inv_cap, inv_t, HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, SMOOTH: tl.constexpr,
-               ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
-    """One row's ``(max, sum exp(z - max), sum exp(z - max) (z - max), sum z)`` in one read
-    (online softmax in fp32; the last two are 0 unless ``ENTROPY`` / ``SMOOTH``)."""
+               ENTROPY: tl.constexpr, TOP1: tl.constexpr, BLOCK: tl.constexpr):
+    """One row's ``(max, sum exp(z - max), sum exp(z - max) (z - max), sum z, largest logit, its
+    column)`` in one read (online softmax in fp32; the sums are 0 unless ``ENTROPY`` / ``SMOOTH``;
+    the last two, of the logits as loaded, unless ``TOP1``: -inf and 0, a nan for a row holding
+    one, the first column among equal ones as ``torch.max``)."""
     cols = tl.arange(0, BLOCK)
     m = float("-inf")
     s = 0.0
     e = 0.0  # sum_j exp(z_j - m) (z_j - m), kept relative to the running max
     tot = tl.zeros([BLOCK], dtype=tl.float32)
+    best = float("-inf")
+    arg = 0
+    nans = 0
     for start in range(0, W, BLOCK):
         idx = start + cols
         mask = idx < W
-        x = _z(tl.load(base + idx, mask=mask, other=0.0).to(tl.float32), cap, inv_cap, inv_t, HAS_CAP, HAS_T)
+        raw = tl.load(base + idx, mask=mask, other=0.0).to(tl.float32)
+        if TOP1:  # a later tile wins only with a strictly larger logit: ties go to the first column
+            shown = tl.where(mask, raw, float("-inf"))
+            tile_best = tl.max(shown, axis=0)
+            take = tile_best > best
+            arg = tl.where(take, start + tl.argmax(shown, axis=0, tie_break_left=True), arg)
+            best = tl.where(take, tile_best, best)
+            nans += tl.sum(tl.where(mask & (raw != raw), 1, 0), axis=0)
+        x = _z(raw, cap, inv_cap, inv_t, HAS_CAP, HAS_T)
         if SMOOTH:
             tot += tl.where(mask, x, 0.0)
         z = tl.where(mask, x, float("-inf"))
@@ -86,7 +99,7 @@ def _row_stats(base, W, cap, inv_cap, inv_t, HAS_CAP: tl.constexpr, HAS_T: tl.co
             e += tl.sum(tl.where(p > 0, p * (z - m_new), 0.0), axis=0)  # padding / -inf logits: 0
         s = s * alpha + tl.sum(p, axis=0)
         m = m_new
-    return m, s, e, tl.sum(tot, axis=0)
+    return m, s, e, tl.sum(tot, axis=0), tl.where(nans > 0, float("nan"), best), arg
 
 
 @triton.jit
@@ -128,7 +141,7 @@ def _row_grad(xb, db, W, t, shift, a, b, sub, hit, cap, inv_cap, inv_t, t_over_c
 def _store_row_stats(base, row, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, cap, inv_cap, inv_t, HAS_CAP: tl.constexpr,
                      HAS_T: tl.constexpr, SMOOTH: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
     """A row's :class:`stats.ChunkStats` stored (the target logit read where the row owns it)."""
-    m, s, e, tot = _row_stats(base, W, cap, inv_cap, inv_t, HAS_CAP, HAS_T, SMOOTH, ENTROPY, BLOCK)
+    m, s, e, tot, _, _ = _row_stats(base, W, cap, inv_cap, inv_t, HAS_CAP, HAS_T, SMOOTH, ENTROPY, False, BLOCK)
     t = tl.load(T + row)
     own = tl.load(OWN + row) != 0
     xt = _z(tl.load(base + t).to(tl.float32), cap, inv_cap, inv_t, HAS_CAP, HAS_T)
@@ -170,10 +183,10 @@ def _grad_kernel(
 
 @triton.jit
 def _loss_grad_kernel(
-    X, stride_x, T, ignore_index, NV, MAX, SUMEXP, TGT, SUM, LOSS, W, cap, inv_cap, inv_t, t_over_cap, zl, keep_t,
-    eps, vocab, eps_v,
+    X, stride_x, T, ignore_index, NV, MAX, SUMEXP, TGT, SUM, LOSS, BEST, ARG, W, cap, inv_cap, inv_t, t_over_cap, zl,
+    keep_t, eps, vocab, eps_v,
     HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, SMOOTH: tl.constexpr, ZLOSS: tl.constexpr, MEAN: tl.constexpr,
-    BLOCK: tl.constexpr,
+    TOP1: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # stats.loss_stats_grad_, a row per program: its target maps and weight r (stats.local_targets,
     # stats.token_weights), statistics and loss (stats.token_loss), then the loss coefficients for
@@ -185,7 +198,10 @@ def _loss_grad_kernel(
     valid = t != ignore_index
     own = valid & (t >= 0) & (t < W)  # an unchecked id outside the vocab owns nothing
     t = tl.minimum(tl.maximum(t, 0), W - 1)
-    m, s, _, tot = _row_stats(base, W, cap, inv_cap, inv_t, HAS_CAP, HAS_T, SMOOTH, False, BLOCK)
+    m, s, _, tot, best, arg = _row_stats(base, W, cap, inv_cap, inv_t, HAS_CAP, HAS_T, SMOOTH, False, TOP1, BLOCK)
+    if TOP1:  # (the row's greedy token, read before its gradient is written over it)
+        tl.store(BEST + row, best)
+        tl.store(ARG + row, arg.to(tl.int64))
     xt = tl.where(own, _z(tl.load(base + t).to(tl.float32), cap, inv_cap, inv_t, HAS_CAP, HAS_T), 0.0)
     log_s = tl.log(s)
     # each term relative to the max, as token_loss
@@ -334,28 +350,32 @@ def grad_logits_(x, local_target, owned, shift, coefs, spec) -> torch.Tensor:
     return _grad(x, x, local_target, owned, shift, coefs, spec)
 
 
-def loss_stats_grad_(x, target, n_valid, reduction, spec, *, block: int | None = None,
-                     warps: int | None = None) -> tuple[stats.ChunkStats, torch.Tensor]:
+def loss_stats_grad_(x, target, n_valid, reduction, spec, *, with_top1: bool = False, block: int | None = None,
+                     warps: int | None = None):
     """Drop-in for :func:`vparallel_ce.stats.loss_stats_grad_`, in ONE launch: a program per row
-    maps its target, reads the row for the statistics and the loss, then walks it back from its
-    end (the tiles last read are the ones most likely still in L2) writing the gradient over it.
-    ``block`` / ``warps``: the launch (default: the gradient pass's, 4096 x 8 warps in 16-bit, the
-    fastest of a sweep on an H200 at all four benchmark shapes but the odd vocab's)."""
+    maps its target, reads the row for the statistics and the loss (and with ``with_top1`` its
+    largest logit and first column), then walks it back from its end (the tiles last read are the
+    ones most likely still in L2) writing the gradient over it. ``block`` / ``warps``: the launch
+    (default: the gradient pass's, 4096 x 8 warps in 16-bit, the fastest of a sweep on an H200 at
+    all four benchmark shapes but the odd vocab's)."""
     c, width = x.shape if x.dim() == 2 else (0, 0)
     if not _covered(x) or spec.entropy or x.stride(-1) != 1 or width == 0 or c == 0:
-        return stats.loss_stats_grad_(x, target, n_valid, reduction, spec)
-    m, se, tg, sm, loss = torch.empty(5, c, dtype=torch.float32, device=x.device).unbind(0)  # one allocation
+        return stats.loss_stats_grad_(x, target, n_valid, reduction, spec, with_top1=with_top1)
+    m, se, tg, sm, loss, best = torch.empty(6, c, dtype=torch.float32, device=x.device).unbind(0)  # one allocation
+    arg = torch.empty(c, dtype=torch.int64, device=x.device) if with_top1 else target
     args, flags = _transform_args(spec)
     eps = float(spec.label_smoothing)
     mean = reduction == "mean"
     target = target.contiguous()
     dflt_block, dflt_warps = _launch_cfg(width, x.element_size())
     _loss_grad_kernel[(c,)](
-        x, x.stride(0), target, spec.ignore_index, n_valid if mean else target, m, se, tg, sm, loss, width,
-        args["cap"], args["inv_cap"], args["inv_t"], float(spec.temperature) / args["cap"], float(spec.z_loss),
+        x, x.stride(0), target, spec.ignore_index, n_valid if mean else target, m, se, tg, sm, loss, best, arg,
+        width, args["cap"], args["inv_cap"], args["inv_t"], float(spec.temperature) / args["cap"], float(spec.z_loss),
         1.0 - eps, eps, float(spec.vocab_size), eps / spec.vocab_size, SMOOTH=eps > 0, ZLOSS=spec.z_loss > 0,
-        MEAN=mean, BLOCK=block or dflt_block, num_warps=warps or dflt_warps, **flags,
+        MEAN=mean, TOP1=with_top1, BLOCK=block or dflt_block, num_warps=warps or dflt_warps, **flags,
     )
+    if with_top1:
+        return stats.ChunkStats(m, se, tg, sm, None), loss, top1.Top1(best.double(), arg.double())
     return stats.ChunkStats(m, se, tg, sm, None), loss
 
 
