@@ -256,9 +256,11 @@ class LinearSetLogprobs(torch.autograd.Function):
         srs = SetRows.of_chunks([(rows.gather(c, support, fill=-1), rows.gather(c, target, fill=call.spec.ignore_index))
                                  for c in range(len(rows))], call)
         # the gather mode's logits of all its chunks in one pass over the weight (GatheredRows.logits),
-        # kept for the backward (no second gather); with sequence parallelism these chunks' gathered
-        # hidden rows are held together for it
-        hcs = {c: rows.gather(c, hm) for c, sr in enumerate(srs)
+        # kept for the backward (no second gather). With sequence parallelism every chunk's rows are
+        # gathered first, in chunk order on every rank (a rank's modes depend on its shard's K_loc:
+        # the all-gathers must not), and held together: the group's [N, H] hidden rows
+        h_all = [rows.gather(c, hm) for c in range(len(rows))] if call.sequence_parallel else None
+        hcs = {c: h_all[c] if h_all else rows.gather(c, hm) for c, sr in enumerate(srs)
                if not call.batch_invariant and gathers(sr.cols.shape[1], wm.shape[0])}
         set_xs = [None] * len(srs)
         if hcs:
@@ -268,7 +270,7 @@ class LinearSetLogprobs(torch.autograd.Function):
                 set_xs[c] = x
         outs, saved = [], []
         for c, sr in enumerate(srs):
-            h_c = hcs[c] if c in hcs else rows.gather(c, hm)
+            h_c = hcs[c] if c in hcs else h_all[c] if h_all else rows.gather(c, hm)
             ch = _linear_chunk(call, sr, h_c, wm, bm, set_xs[c])
             if not call.batch_invariant:  # the GEMM mode's kept logits too: its backward makes no logits again
                 set_xs[c] = ch.set_x
