@@ -30,21 +30,25 @@ any row has in this shard, :func:`gathers` picks the mode: where ``GATHER_RATIO 
 the gather mode takes each token's own weight rows (:class:`~vparallel_ce.kernels.GatheredRows` of
 the call's kernel backend: on a GPU the Triton kernels of :mod:`vparallel_ce.kernels.gathered_rows`,
 which never make the ``[c, K_loc, H]`` rows -- the logits of all the gather mode's chunks in one
-pass in weight-row order (each weight row read once), ``dh`` per (token, block of ``H``), and
-``dW`` once for all the chunks, after the last, per (weight row, block of ``H``) over the pairs
-sorted by row, no atomics; elsewhere the torch version, :mod:`vparallel_ce.gathered_rows`, a chunk
-at a time); else one GEMM over the shard (``O(c V_loc H)``) and a gather of its columns.
+pass over the pairs sorted by weight row (a row read from memory once, by its first pairs), ``dh``
+per (token, block of ``H``), and ``dW`` once for all the chunks, after the last, over the rows
+that have pairs only, no atomics; nothing launched per vocabulary row; elsewhere the torch
+version, :mod:`vparallel_ce.gathered_rows`, a chunk at a time); else the GEMM mode: one GEMM over
+the shard (``O(c V_loc H)``) and a gather of its columns, kept for the backward, which then walks
+vocab blocks over all the GEMM mode's tokens at once (:func:`~vparallel_ce.set_gemm.gemm_set_grads`: the ``dh`` and
+``dW`` GEMMs of the full op, ``dW`` written once per block; three GEMMs per logit in all).
 
-The rule, per kept pair against per logit of the GEMM mode (four GEMMs: forward, recompute, ``dh``,
-``dW``, ``4 x 2H`` FLOPs at ~650 TFLOP/s, plus ~24 bytes of fp32 traffic at ~3 TB/s: ~58 ps at
-``H = 4096``): the kernels read one weight row from memory for ``dh`` (``2H`` bytes) and one hidden
-row twice (logits, ``dW``; the weight rows themselves once per call), from cache where the hidden
-states fit it. That is ~4.8 ns a pair with the hidden rows in cache and ~8.2 ns without (three reads
-from memory), a break-even ``V_loc / K_loc`` between ~80 and ~140: :data:`GATHER_RATIO` = 128
+The rule, per kept pair against per logit of the GEMM mode (three GEMMs, ``3 x 2H`` FLOPs, ~40 ps
+at ``H = 4096`` on an H100, the full op's measured cost): the kernels read one weight row from
+memory for ``dh`` (``2H`` bytes) and one hidden row twice (logits, ``dW``; the weight rows
+themselves about once per call), from cache where the hidden states fit it. That is ~4.8 ns a pair
+with the hidden rows in cache and ~8.2 ns without (three reads from memory), a break-even
+``V_loc / K_loc`` between ~110 and ~210: :data:`GATHER_RATIO` = 128
 (``python -m launch.bench.rollout --set-modes auto,gather,gemm --ks ...`` times both modes around it).
-The gather mode keeps its ``[c, K_loc]`` logits from the forward for the backward (no second
-gather); with the kernels it holds ~40 bytes per kept pair of the whole call at once (logits, ids,
-gradient, the sort), and with sequence parallelism its chunks' gathered hidden rows. Rows with the
+Token chunks follow the mode (:func:`set_chunks`). The modes keep their ``[c, K_loc]`` logits from
+the forward for the backward (no second gather or GEMM); with the kernels the gather mode holds
+~40 bytes per kept pair of the whole call at once (logits, ids, gradient, the sort), and with
+sequence parallelism every chunk's gathered hidden rows (the group's ``[N, H]``). Rows with the
 whole vocabulary (``-1`` rows, or the masks) take the GEMM. The rule reads two integers per chunk
 on the host, all of them at once before the first chunk's kernels.
 
@@ -65,12 +69,12 @@ from __future__ import annotations
 import torch
 
 from .call import Call
-from .chunk_walk import Rows, cat_parts, invariant_dh, sum_dh_over_ranks
+from .chunk_walk import Rows, invariant_dh, sum_dh_over_ranks
 from .gemm import logits as lm_logits, matmul_inputs, mm_as, mm_into
-from .layout import vocab_blocks
 from .kernels import TORCH_GATHERED, GatheredRows
 from .sampling_masks import SamplingMasks
 from .set_chunk import SetChunk, SetRows, chunk_outputs, set_grad_coefs
+from .set_gemm import gemm_set_grads
 from .stats import compute_dtype
 from .validate import Problem, raise_values_problem
 
@@ -78,8 +82,8 @@ __all__ = ["check_support", "check_support_values", "set_chunks", "set_logprobs"
            "gathers", "GATHER_RATIO"]
 
 # The mode rule (module docstring): gather a chunk's kept rows where GATHER_RATIO * K_loc <= V_loc; a
-# kept pair costs the kernels one weight row from memory and two hidden rows, mostly from cache,
-# against four GEMMs per logit in the GEMM mode: break-even between ~80 and ~140 on an H100/H200.
+# kept pair costs the kernels one weight row from memory and two hidden rows, partly from cache,
+# against three GEMMs per logit in the GEMM mode: break-even between ~110 and ~210 on an H100/H200.
 GATHER_RATIO = 128
 
 # what one kept id of a row costs the gather mode in bytes beside the kernels' reads: its logit, its
@@ -160,7 +164,7 @@ def set_chunks(call: Call, k: int, hidden_size: int, chunks, *, gathered: Gather
     the kernels, which make none, a row holds its kept ids' ``~96`` bytes each where :func:`gathers`
     takes every chunk (``k`` bounds each chunk's ``K_loc``), else the GEMM mode's ``[c, V_loc]``
     logits (its backward walks vocab blocks over all the chunks' rows at once:
-    :func:`_gemm_set_grads`). Fewer chunks are fewer small steps queued per call."""
+    :func:`~vparallel_ce.set_gemm.gemm_set_grads`). Fewer chunks are fewer small steps queued per call."""
     if chunks != "auto":
         return int(chunks)
     n = sum(call.counts)
@@ -333,7 +337,7 @@ class LinearSetLogprobs(torch.autograd.Function):
             direct = dw is None and need[1]
             if direct:
                 dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
-            _gemm_set_grads(gemm_parts, wm, dw, db, accumulate=not direct)
+            gemm_set_grads(gemm_parts, wm, dw, db, CHUNK_BYTES, accumulate=not direct)
         if dh is not None and call.sequence_parallel:
             for c, dh_c in enumerate(dh_parts):
                 dh[rows.local[c]] = rows.scatter_grad(c, dh_c)
@@ -376,7 +380,7 @@ def _linear_grads(sr: SetRows, d_set, d_full, h_c, w, gathered: GatheredRows | N
     """Add the chunk's ``dW``/``db`` (fp32 sums) and ``dh`` rows (into ``dh_c``, fp32, or None): the
     set's columns through ``gathered`` (the gather mode: ``dh`` here, ``(d, cols, h)`` appended to
     ``parts`` for one ``dW`` of all the chunks) or, the GEMM mode, ``(d, cols, h, dh_c)`` appended
-    to ``gemm_parts`` for :func:`_gemm_set_grads`; the whole-vocab rows through the GEMM."""
+    to ``gemm_parts`` for :func:`~vparallel_ce.set_gemm.gemm_set_grads`; the whole-vocab rows through the GEMM."""
     cols = _kept_cols(sr)
     if gathered is not None:
         if dh_c is not None:
@@ -393,49 +397,6 @@ def _linear_grads(sr: SetRows, d_set, d_full, h_c, w, gathered: GatheredRows | N
         dh_c.index_add_(0, sr.full, mm_as(dm, w, dh_c.dtype))
     if dw is not None:
         mm_into(dw, dm.t(), h_c[sr.full], accumulate=True)
-
-
-def _gemm_set_grads(gemm_parts: list, w, dw, db, *, accumulate: bool):
-    """The GEMM mode's gradients of the set columns, all its chunks at once: per vocab block of the
-    shard (:data:`CHUNK_BYTES` of ``[n, block]`` fp32 gradient and its matmul-dtype copy), the kept
-    entries' gradients ``d [n, K]`` scattered into the block's columns (0 elsewhere), rounded once
-    to the matmul dtype, and the full op's two GEMMs: ``dh rows += d_blk W_blk`` (fp32) and
-    ``dW[blk] (+)= d_blk^T h`` -- written in ``dw``'s dtype (rounded once) or added to its fp32
-    sum (``accumulate``). No ``[n, V_loc]`` buffer, no per-chunk ``[V_loc, H]`` sum."""
-    width = w.shape[0]
-    if width == 0:
-        return
-    k = max(cols.shape[1] for _, cols, _, _ in gemm_parts)
-    acc = gemm_parts[0][0].dtype
-
-    def padded(t, fill):
-        return t if t.shape[1] == k else torch.cat([t, t.new_full((t.shape[0], k - t.shape[1]), fill)], 1)
-
-    d = cat_parts([padded(p[0], 0) for p in gemm_parts])
-    cols = cat_parts([padded(p[1], -1) for p in gemm_parts])
-    h = cat_parts([p[2] for p in gemm_parts])
-    dhs = [p[3] for p in gemm_parts]
-    n = h.shape[0]
-    dh = None
-    if dhs[0] is not None:
-        dh = dhs[0] if len(dhs) == 1 else torch.zeros((n, w.shape[1]), dtype=acc, device=h.device)
-    per = max(1, min(width, CHUNK_BYTES // max(1, 6 * n)))
-    for blk in vocab_blocks(width, -(-width // per)):
-        s, e = blk.start, blk.stop
-        here = (cols >= s) & (cols < e)
-        buf = torch.zeros((n, e - s + 1), dtype=acc, device=h.device)  # (the last column: entries elsewhere)
-        buf.scatter_(1, torch.where(here, cols - s, e - s), torch.where(here, d, 0))
-        d_blk = buf[:, : e - s]
-        if db is not None:
-            db[blk] += d_blk.sum(0)
-        dm = d_blk.to(w.dtype)
-        if dh is not None:
-            mm_into(dh, dm, w[blk], accumulate=True)
-        if dw is not None:
-            mm_into(dw[blk], dm.t(), h, accumulate=accumulate)
-    if dh is not None and len(dhs) > 1:
-        for dh_c, part in zip(dhs, dh.split([p[2].shape[0] for p in gemm_parts])):
-            dh_c += part
 
 
 def _shard_grads(d, h_c, w, dw, db, add_dh, dh_c):

@@ -4,19 +4,20 @@ the logits of its ``K`` kept ids only. ``cols [c, K]`` holds, per token, the loc
 kept ids and ``-1`` where none (padding, ids of other shards); a ``-1`` entry reads and adds nothing.
 
 * :func:`logits` -- ``x[n, k] = h[n] . w[cols[n, k]] (+ b[cols[n, k]])`` for all the chunks of a
-  call at once, in weight-row order (the pairs sorted as for ``dW`` below): one program per weight
-  row reads its row once and dots it with the hidden rows of its pairs (``[N, H]``, far smaller
-  than the weight: from cache where it fits); the products are summed in fp32 and rounded once to the
-  output dtype (the bias added in fp32 first). A row of the weight is read from memory once per
-  call instead of once per pair: at ``K = 512`` of ``V = 151936`` each row serves ~28 tokens;
+  call at once, over the pairs sorted by weight row (as for ``dW`` below): one program per block of
+  consecutive sorted pairs dots each pair's weight row with its hidden row, in fp32, rounded once
+  to the output dtype (the bias added in fp32 first). A weight row's run of pairs shares its blocks,
+  so the row is read from memory about once per call instead of once per pair (at ``K = 512`` of
+  ``V = 151936`` each row serves ~28 tokens); the grid follows the pairs, not ``V``;
 * :func:`hidden_grad` -- ``dh[n] = sum_k d[n, k] w[cols[n, k]]`` in fp32: one program per (token,
   block of ``H``) walks the token's ``K`` rows;
 * :func:`weight_grad` -- ``dW[v] = sum_{(n, k): cols[n, k] = v} d[n, k] h[n]`` (and ``db[v] +=
   sum d[n, k]``) over ALL the call's chunks at once, after the last: their ``(row, pair)`` list
-  sorted by row once (a stable ``torch.sort``), the start of each weight row's run found by
-  ``torch.searchsorted`` (no host read), then one program per (weight row, block of ``H``) sums its
-  own pairs in fp32, in sorted order, and writes the row it alone owns, rounded once to ``dW``'s
-  dtype -- no atomics, no fp32 ``[V, H]`` buffer read and written per chunk, and the same bits on
+  sorted by row once (a stable ``torch.sort``) and cut into runs of one row (found by a cumulative
+  sum, no host read); programs stride over the runs (their count read on the device) and over the
+  blocks of ``H``, each run summed in fp32 in sorted order and its row written once, rounded once to
+  ``dW``'s dtype. Rows without pairs launch nothing: ``dW`` starts as one zero fill (or the base,
+  rounded once). No atomics, no fp32 ``[V, H]`` buffer read and written per chunk, the same bits on
   every run.
 
 None of them makes the ``[c, K, H]`` gathered rows: each gathered row is read once per pass and
@@ -37,7 +38,7 @@ import triton.language as tl
 
 from .. import gathered_rows as torch_rows
 from .backend import GatheredRows
-from .config import interpreting
+from .config import interpreting, sm_count
 
 __all__ = ["GATHERED", "logits", "hidden_grad", "weight_grad"]
 
@@ -230,8 +231,7 @@ def weight_grad(parts, w: torch.Tensor, out_dtype: torch.dtype | None, base: tor
         out = base.to(out_dtype) if base is not None else torch.zeros(shape, dtype=out_dtype, device=d.device)
     n_h = 1 if out is None else triton.cdiv(hd, _DW_BH)
     if by_row.g:
-        from .tiles import _sm_count  # (tiles imports the backends, this module among them)
-        grid = (max(1, min(by_row.g, _DW_PER_SM * _sm_count(d.device))), n_h)
+        grid = (max(1, min(by_row.g, _DW_PER_SM * sm_count(d.device))), n_h)
         _dw_kernel[grid](by_row.run_start, by_row.run_row, by_row.n_runs, d, by_row.rows, by_row.h,
                          base if base is not None else d, out if out is not None else d, db if db is not None else d,
                          by_row.g, hd, by_row.h.stride(0), 0 if base is None else base.stride(0),
