@@ -50,7 +50,8 @@ the forward for the backward (no second gather or GEMM); with the kernels the ga
 ~40 bytes per kept pair of the whole call at once (logits, ids, gradient, the sort), and with
 sequence parallelism every chunk's gathered hidden rows (the group's ``[N, H]``). Rows with the
 whole vocabulary (``-1`` rows, or the masks) take the GEMM. The rule reads two integers per chunk
-on the host, all of them at once before the first chunk's kernels.
+on the host, all of them at once before the first chunk's kernels; the GEMM mode's backward reads
+its vocab blocks' bounds in its sorted entries, once.
 
 **Batch invariance** (``batch_invariant=True``, with ``support``): the gather mode's and the set
 matrix's widths follow the chunk's largest set, so a row's sums would too. This mode takes the

@@ -25,8 +25,8 @@ __all__ = ["gemm_set_grads"]
 def gemm_set_grads(gemm_parts: list, w, dw, db, budget: int, *, accumulate: bool):
     """The GEMM mode's gradients of the set columns, all its chunks at once: per vocab block of the
     shard (``budget`` bytes of ``[n, block]`` fp32 gradient and its matmul-dtype copy), the kept
-    entries' gradients ``d [n, K]`` scattered into the block's columns (0 elsewhere), rounded once
-    to the matmul dtype, and the full op's two GEMMs: ``dh rows += d_blk W_blk`` (fp32) and
+    entries' gradients ``d [n, K]`` written into the block's columns (0 elsewhere; the entries
+    sorted by column once, one host read of the blocks' bounds), rounded once to the matmul dtype, and the full op's two GEMMs: ``dh rows += d_blk W_blk`` (fp32) and
     ``dW[blk] (+)= d_blk^T h`` -- written in ``dw``'s dtype (rounded once) or added to its fp32
     sum (``accumulate``). No ``[n, V_loc]`` buffer, no per-chunk ``[V_loc, H]`` sum."""
     width = w.shape[0]
@@ -47,12 +47,19 @@ def gemm_set_grads(gemm_parts: list, w, dw, db, budget: int, *, accumulate: bool
     if dhs[0] is not None:
         dh = dhs[0] if len(dhs) == 1 else torch.zeros((n, w.shape[1]), dtype=acc, device=h.device)
     per = max(1, min(width, budget // max(1, 6 * n)))
-    for blk in vocab_blocks(width, -(-width // per)):
+    blocks = vocab_blocks(width, -(-width // per))
+    # the entries sorted by column once (pads last), each block's a contiguous run: one host read of
+    # the runs' bounds, then per block only its own entries are written (no pass over all n K)
+    key = cols.reshape(-1)
+    key, order = torch.sort(torch.where(key >= 0, key, width).to(torch.int32))  # (a row's columns are distinct)
+    row = order // max(k, 1)
+    val = d.reshape(-1)[order]
+    starts = torch.tensor([blk.start for blk in blocks] + [width], dtype=torch.int32, device=key.device)
+    bounds = torch.searchsorted(key, starts).tolist()
+    for blk, lo, hi in zip(blocks, bounds[:-1], bounds[1:]):
         s, e = blk.start, blk.stop
-        here = (cols >= s) & (cols < e)
-        buf = torch.zeros((n, e - s + 1), dtype=acc, device=h.device)  # (the last column: entries elsewhere)
-        buf.scatter_(1, torch.where(here, cols - s, e - s), torch.where(here, d, 0))
-        d_blk = buf[:, : e - s]
+        d_blk = torch.zeros((n, e - s), dtype=acc, device=h.device)
+        d_blk.view(-1)[row[lo:hi] * (e - s) + (key[lo:hi] - s)] = val[lo:hi]  # ((n, col) pairs distinct)
         if db is not None:
             db[blk] += d_blk.sum(0)
         dm = d_blk.to(w.dtype)
