@@ -165,12 +165,14 @@ def set_chunks(call: Call, k: int, hidden_size: int, chunks, *, gathered: Gather
     the kernels, which make none, a row holds its kept ids' ``~96`` bytes each where :func:`gathers`
     takes every chunk (``k`` bounds each chunk's ``K_loc``), else the GEMM mode's ``[c, V_loc]``
     logits (its backward walks vocab blocks over all the chunks' rows at once:
-    :func:`~vparallel_ce.set_gemm.gemm_set_grads`). Fewer chunks are fewer small steps queued per call."""
+    :func:`~vparallel_ce.set_gemm.gemm_set_grads`). Fewer chunks are fewer small steps queued per call.
+    ``k = 0`` (the masks: every row over the whole vocabulary) counts the ``[c, V_loc]`` logits' fp32
+    statistics, as the torch path."""
     if chunks != "auto":
         return int(chunks)
     n = sum(call.counts)
     width = -(-call.layout.vocab_size // call.layout.world)
-    if gathered is not None and gathered is not TORCH_GATHERED and hidden_size and not call.batch_invariant:
+    if gathered is not None and gathered is not TORCH_GATHERED and hidden_size and k and not call.batch_invariant:
         per_row = _GATHER_ID_BYTES * k + (0 if gathers(k, width) else 4 * width)
     else:
         per_row = max(12 * width, 6 * k * max(hidden_size, 1))
