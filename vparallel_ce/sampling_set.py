@@ -163,8 +163,8 @@ def set_chunks(call: Call, k: int, hidden_size: int, chunks, *, gathered: Gather
     chunk's working set is about :data:`CHUNK_BYTES`. ``gathered``: the linear op's gather mode
     (:class:`~vparallel_ce.kernels.GatheredRows`); the torch one makes the ``[c, K, H]`` rows. With
     the kernels, which make none, a row holds its kept ids' ``~96`` bytes each where :func:`gathers`
-    takes every chunk (``k`` bounds each chunk's ``K_loc``), else the GEMM mode's ``[c, V_loc]``
-    logits (its backward walks vocab blocks over all the chunks' rows at once:
+    takes every chunk (``k`` bounds each chunk's ``K_loc``), else also the GEMM mode's ``[c, V_loc]``
+    logits in their dtype (its backward walks vocab blocks over all the chunks' rows at once:
     :func:`~vparallel_ce.set_gemm.gemm_set_grads`). Fewer chunks are fewer small steps queued per call.
     ``k = 0`` (the masks: every row over the whole vocabulary) counts the ``[c, V_loc]`` logits' fp32
     statistics, as the torch path."""
@@ -173,7 +173,8 @@ def set_chunks(call: Call, k: int, hidden_size: int, chunks, *, gathered: Gather
     n = sum(call.counts)
     width = -(-call.layout.vocab_size // call.layout.world)
     if gathered is not None and gathered is not TORCH_GATHERED and hidden_size and k and not call.batch_invariant:
-        per_row = _GATHER_ID_BYTES * k + (0 if gathers(k, width) else 4 * width)
+        x_bytes = (call.logits_dtype or call.matmul_dtype or torch.float32).itemsize  # a GEMM-mode chunk's logits
+        per_row = _GATHER_ID_BYTES * k + (0 if gathers(k, width) else x_bytes * width)
     else:
         per_row = max(12 * width, 6 * k * max(hidden_size, 1))
     return max(1, min(n, -(-n * max(per_row, 1) // CHUNK_BYTES)))
