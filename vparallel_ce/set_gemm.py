@@ -23,12 +23,15 @@ __all__ = ["gemm_set_grads"]
 
 
 def gemm_set_grads(gemm_parts: list, w, dw, db, budget: int, *, accumulate: bool):
-    """The GEMM mode's gradients of the set columns, all its chunks at once: per vocab block of the
-    shard (``budget`` bytes of ``[n, block]`` fp32 gradient and its matmul-dtype copy), the kept
-    entries' gradients ``d [n, K]`` written into the block's columns (0 elsewhere; the entries
-    sorted by column once, one host read of the blocks' bounds), rounded once to the matmul dtype, and the full op's two GEMMs: ``dh rows += d_blk W_blk`` (fp32) and
-    ``dW[blk] (+)= d_blk^T h`` -- written in ``dw``'s dtype (rounded once) or added to its fp32
-    sum (``accumulate``). No ``[n, V_loc]`` buffer, no per-chunk ``[V_loc, H]`` sum."""
+    """The GEMM mode's gradients of the set columns, all its chunks at once. ``gemm_parts``: per
+    chunk ``(d [c, K_c] fp32, cols [c, K_c] local columns or -1, h [c, H], dh rows [c, H] fp32 or
+    None)``. Per vocab block of the shard (``budget`` bytes of ``[n, block]`` fp32 gradient and its
+    matmul-dtype copy): the kept entries' gradients written into the block's columns (0 elsewhere;
+    the entries sorted by column once, one host read of the blocks' bounds), rounded once to the
+    matmul dtype, and the full op's two GEMMs: ``dh rows += d_blk W_blk`` (fp32) and ``dW[blk] (+)=
+    d_blk^T h`` -- written in ``dw``'s dtype (rounded once) or added to its fp32 sum
+    (``accumulate``); ``db[blk] += sum d_blk``. No ``[n, V_loc]`` buffer, no per-chunk ``[V_loc, H]``
+    sum."""
     width = w.shape[0]
     if width == 0:
         return
