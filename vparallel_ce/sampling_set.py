@@ -48,7 +48,9 @@ with the hidden rows in cache and ~8.2 ns without (three reads from memory), a b
 Token chunks follow the mode (:func:`set_chunks`). The modes keep their ``[c, K_loc]`` logits from
 the forward for the backward (no second gather or GEMM); with the kernels the gather mode holds
 ~40 bytes per kept pair of the whole call at once (logits, ids, gradient, the sort), and with
-sequence parallelism every chunk's gathered hidden rows (the group's ``[N, H]``). Rows with the
+sequence parallelism every chunk's gathered hidden rows (the group's ``[N, H]``) and, in backward,
+their fp32 partial ``dh`` until the GEMM mode's walk is done (a rank's modes are its own: the
+reduce-scatters all follow it, in chunk order, on every rank). Rows with the
 whole vocabulary (``-1`` rows, or the masks) take the GEMM. The rule reads two integers per chunk
 on the host, all of them at once before the first chunk's kernels; the GEMM mode's backward reads
 its vocab blocks' bounds in its sorted entries, once.
