@@ -37,8 +37,10 @@ _KERNEL_CHECKS = textwrap.dedent(
     g = torch.Generator().manual_seed(0)
     ran = 0
     # (tokens, kept ids per row, shard rows, hidden size): H not a multiple of the tiles, K past one
-    # block of ids, a chunk with no kept ids, an empty shard
-    for c, k, v, hd in ((5, 3, 7, 40), (4, 19, 30, 300), (3, 0, 7, 8), (3, 2, 0, 8)):
+    # block of ids, a chunk with no kept ids, an empty shard; a weight row with more pairs than one
+    # block of them, more rows with pairs than dW's programs (each walks several)
+    for c, k, v, hd in ((5, 3, 7, 40), (4, 19, 30, 300), (3, 0, 7, 8), (3, 2, 0, 8), (20, 2, 3, 24),
+                        (6, 40, 150, 24)):
         h = torch.randn(c, hd, generator=g)
         w = torch.randn(v, hd, generator=g)
         b = torch.randn(v, generator=g)
@@ -127,6 +129,25 @@ _OP_CHECKS = textwrap.dedent(
         for what, a, r in zip(("logp", "entropy", "dh", "dW", "db"), out[mode, rows, "triton"],
                               out[mode, rows, "torch"]):
             torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"{mode} {rows} {what}: {m}")
+    # both modes in one call: the second chunk's rows keep 2 ids (20 * 2 <= 50: gathered), the first
+    # chunk's 5 (the GEMM), with and without a whole-vocabulary row; against the GEMM mode alone
+    for rows, base in (("whole-vocab row", sup), ("sets only", sets_only)):
+        s = base.clone()
+        s[6:, 2:] = -1  # (each row's target is its first id)
+        tt = t.clone()
+        if rows == "sets only":
+            tt[5] = t[4]
+        got = {}
+        for mode, ratio in (("mixed", 20), ("gemm", 10**9)):
+            sampling_set.GATHER_RATIO = ratio
+            with kernels.use("triton" if mode == "mixed" else "torch"):
+                leaves = [a.clone().requires_grad_() for a in (h, w, b)]
+                lp, ent = vparallel_ce.linear_token_logprobs(leaves[0], leaves[1], tt, leaves[2], support=s,
+                                                             with_entropy=True, temperature=0.9, chunks=2)
+                grads = torch.autograd.grad((lp * torch.linspace(-1, 1, n, device=dev)).sum() + ent.sum(), leaves)
+                got[mode] = (lp, ent, *grads)
+        for what, a, r in zip(("logp", "entropy", "dh", "dW", "db"), got["mixed"], got["gemm"]):
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"mixed modes {rows} {what}: {m}")
     print("GATHERED_OP_OK")
     """
 )

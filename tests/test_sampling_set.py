@@ -139,7 +139,7 @@ def _set_cases_rank(rank, world):
                 rg = torch.autograd.grad((rl * u).sum() + (re * w_).sum(), leaves)
                 default_ratio = sampling_set.GATHER_RATIO
                 for ratio in (1, 10**9):
-                    for sp in ((False, True) if world > 1 and ratio == 1 else (False,)):
+                    for sp in ((False, True) if world > 1 else (False,)):
                         sampling_set.GATHER_RATIO = ratio
                         case = f"{name} linear ratio={ratio} sp={sp}"
                         rows = shard(torch.arange(N), world, rank, 0) if sp else torch.arange(N)

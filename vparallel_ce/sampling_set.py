@@ -30,23 +30,30 @@ any row has in this shard, :func:`gathers` picks the mode: where ``GATHER_RATIO 
 the gather mode takes each token's own weight rows (:class:`~vparallel_ce.kernels.GatheredRows` of
 the call's kernel backend: on a GPU the Triton kernels of :mod:`vparallel_ce.kernels.gathered_rows`,
 which never make the ``[c, K_loc, H]`` rows -- the logits of all the gather mode's chunks in one
-pass in weight-row order (each weight row read once), ``dh`` per (token, block of ``H``), and
-``dW`` once for all the chunks, after the last, per (weight row, block of ``H``) over the pairs
-sorted by row, no atomics; elsewhere the torch version, :mod:`vparallel_ce.gathered_rows`, a chunk
-at a time); else one GEMM over the shard (``O(c V_loc H)``) and a gather of its columns.
+pass over the pairs sorted by weight row (a row read from memory once, by its first pairs), ``dh``
+per (token, block of ``H``), and ``dW`` once for all the chunks, after the last, over the rows
+that have pairs only, no atomics; nothing launched per vocabulary row; elsewhere the torch
+version, :mod:`vparallel_ce.gathered_rows`, a chunk at a time); else the GEMM mode: one GEMM over
+the shard (``O(c V_loc H)``) and a gather of its columns, kept for the backward, which then walks
+vocab blocks over all the GEMM mode's tokens at once (:func:`~vparallel_ce.set_gemm.gemm_set_grads`: the ``dh`` and
+``dW`` GEMMs of the full op, ``dW`` written once per block; three GEMMs per logit in all).
 
-The rule, per kept pair against per logit of the GEMM mode (four GEMMs: forward, recompute, ``dh``,
-``dW``, ``4 x 2H`` FLOPs at ~650 TFLOP/s, plus ~24 bytes of fp32 traffic at ~3 TB/s: ~58 ps at
-``H = 4096``): the kernels read one weight row from memory for ``dh`` (``2H`` bytes) and one hidden
-row twice (logits, ``dW``; the weight rows themselves once per call), from cache where the hidden
-states fit it. That is ~4.8 ns a pair with the hidden rows in cache and ~8.2 ns without (three reads
-from memory), a break-even ``V_loc / K_loc`` between ~80 and ~140: :data:`GATHER_RATIO` = 128
+The rule, per kept pair against per logit of the GEMM mode (three GEMMs, ``3 x 2H`` FLOPs, ~40 ps
+at ``H = 4096`` on an H100, the full op's measured cost): the kernels read one weight row from
+memory for ``dh`` (``2H`` bytes) and one hidden row twice (logits, ``dW``; the weight rows
+themselves about once per call), from cache where the hidden states fit it. That is ~4.8 ns a pair
+with the hidden rows in cache and ~8.2 ns without (three reads from memory), a break-even
+``V_loc / K_loc`` between ~110 and ~210: :data:`GATHER_RATIO` = 128
 (``python -m launch.bench.rollout --set-modes auto,gather,gemm --ks ...`` times both modes around it).
-The gather mode keeps its ``[c, K_loc]`` logits from the forward for the backward (no second
-gather); with the kernels it holds ~40 bytes per kept pair of the whole call at once (logits, ids,
-gradient, the sort), and with sequence parallelism its chunks' gathered hidden rows. Rows with the
+Token chunks follow the mode (:func:`set_chunks`). The modes keep their ``[c, K_loc]`` logits from
+the forward for the backward (no second gather or GEMM); with the kernels the gather mode holds
+~40 bytes per kept pair of the whole call at once (logits, ids, gradient, the sort), and with
+sequence parallelism every chunk's gathered hidden rows (the group's ``[N, H]``) and, in backward,
+their fp32 partial ``dh`` until the GEMM mode's walk is done (a rank's modes are its own: the
+reduce-scatters all follow it, in chunk order, on every rank). Rows with the
 whole vocabulary (``-1`` rows, or the masks) take the GEMM. The rule reads two integers per chunk
-on the host, all of them at once before the first chunk's kernels.
+on the host, all of them at once before the first chunk's kernels; the GEMM mode's backward reads
+its vocab blocks' bounds in its sorted entries, once.
 
 **Batch invariance** (``batch_invariant=True``, with ``support``): the gather mode's and the set
 matrix's widths follow the chunk's largest set, so a row's sums would too. This mode takes the
@@ -66,10 +73,11 @@ import torch
 
 from .call import Call
 from .chunk_walk import Rows, invariant_dh, sum_dh_over_ranks
-from .gemm import logits as lm_logits, matmul_inputs, mm_as
+from .gemm import logits as lm_logits, matmul_inputs, mm_as, mm_into
 from .kernels import TORCH_GATHERED, GatheredRows
 from .sampling_masks import SamplingMasks
 from .set_chunk import SetChunk, SetRows, chunk_outputs, set_grad_coefs
+from .set_gemm import gemm_set_grads
 from .stats import compute_dtype
 from .validate import Problem, raise_values_problem
 
@@ -77,8 +85,8 @@ __all__ = ["check_support", "check_support_values", "set_chunks", "set_logprobs"
            "gathers", "GATHER_RATIO"]
 
 # The mode rule (module docstring): gather a chunk's kept rows where GATHER_RATIO * K_loc <= V_loc; a
-# kept pair costs the kernels one weight row from memory and two hidden rows, mostly from cache,
-# against four GEMMs per logit in the GEMM mode: break-even between ~80 and ~140 on an H100/H200.
+# kept pair costs the kernels one weight row from memory and two hidden rows, partly from cache,
+# against three GEMMs per logit in the GEMM mode: break-even between ~110 and ~210 on an H100/H200.
 GATHER_RATIO = 128
 
 # what one kept id of a row costs the gather mode in bytes beside the kernels' reads: its logit, its
@@ -155,18 +163,23 @@ def set_chunks(call: Call, k: int, hidden_size: int, chunks, *, gathered: Gather
     """Token chunks of a set call, the same on every rank (from the group's token count, the set
     width ``k``, the largest shard and the hidden size): ``chunks`` if an int, else enough that one
     chunk's working set is about :data:`CHUNK_BYTES`. ``gathered``: the linear op's gather mode
-    (:class:`~vparallel_ce.kernels.GatheredRows`); the torch one makes the ``[c, K, H]`` rows, the
-    kernels none, so a row's working set is then the GEMM mode's where :func:`gathers` may choose
-    it (a shard of at most ``GATHER_RATIO * k`` columns) and its kept ids' otherwise."""
+    (:class:`~vparallel_ce.kernels.GatheredRows`); the torch one makes the ``[c, K, H]`` rows. With
+    the kernels, which make none, a row holds its kept ids' ``~96`` bytes each where :func:`gathers`
+    takes every chunk (``k`` bounds each chunk's ``K_loc``), else also the GEMM mode's ``[c, V_loc]``
+    logits in their dtype (its backward walks vocab blocks over all the chunks' rows at once:
+    :func:`~vparallel_ce.set_gemm.gemm_set_grads`). Fewer chunks are fewer small steps queued per call.
+    ``k = 0`` (the masks: every row over the whole vocabulary) counts the ``[c, V_loc]`` logits' fp32
+    statistics, as the torch path."""
     if chunks != "auto":
         return int(chunks)
     n = sum(call.counts)
     width = -(-call.layout.vocab_size // call.layout.world)
-    if gathered is not None and gathered is not TORCH_GATHERED and hidden_size and not call.batch_invariant:
-        per_row = max(12 * min(width, GATHER_RATIO * k), _GATHER_ID_BYTES * k, 1)
+    if gathered is not None and gathered is not TORCH_GATHERED and hidden_size and k and not call.batch_invariant:
+        x_bytes = (call.logits_dtype or call.matmul_dtype or torch.float32).itemsize  # a GEMM-mode chunk's logits
+        per_row = _GATHER_ID_BYTES * k + (0 if gathers(k, width) else x_bytes * width)
     else:
-        per_row = max(12 * width, 6 * k * max(hidden_size, 1), 1)
-    return max(1, min(n, -(-n * per_row // CHUNK_BYTES)))
+        per_row = max(12 * width, 6 * k * max(hidden_size, 1))
+    return max(1, min(n, -(-n * max(per_row, 1) // CHUNK_BYTES)))
 
 
 def _masks(call_options) -> SamplingMasks:
@@ -253,9 +266,11 @@ class LinearSetLogprobs(torch.autograd.Function):
         srs = SetRows.of_chunks([(rows.gather(c, support, fill=-1), rows.gather(c, target, fill=call.spec.ignore_index))
                                  for c in range(len(rows))], call)
         # the gather mode's logits of all its chunks in one pass over the weight (GatheredRows.logits),
-        # kept for the backward (no second gather); with sequence parallelism these chunks' gathered
-        # hidden rows are held together for it
-        hcs = {c: rows.gather(c, hm) for c, sr in enumerate(srs)
+        # kept for the backward (no second gather). With sequence parallelism every chunk's rows are
+        # gathered first, in chunk order on every rank (a rank's modes depend on its shard's K_loc:
+        # the all-gathers must not), and held together: the group's [N, H] hidden rows
+        h_all = [rows.gather(c, hm) for c in range(len(rows))] if call.sequence_parallel else None
+        hcs = {c: h_all[c] if h_all else rows.gather(c, hm) for c, sr in enumerate(srs)
                if not call.batch_invariant and gathers(sr.cols.shape[1], wm.shape[0])}
         set_xs = [None] * len(srs)
         if hcs:
@@ -265,13 +280,16 @@ class LinearSetLogprobs(torch.autograd.Function):
                 set_xs[c] = x
         outs, saved = [], []
         for c, sr in enumerate(srs):
-            h_c = hcs[c] if c in hcs else rows.gather(c, hm)
+            h_c = hcs[c] if c in hcs else h_all[c] if h_all else rows.gather(c, hm)
             ch = _linear_chunk(call, sr, h_c, wm, bm, set_xs[c])
+            if not call.batch_invariant:  # the GEMM mode's kept logits too: its backward makes no logits again
+                set_xs[c] = ch.set_x
             logp, ent, kept = chunk_outputs(ch, sr, call, masks)
             outs.append((rows.own(c, logp), rows.own(c, ent)))
             saved.append(kept)
         ctx.save_for_backward(h, w, b, target, support)
-        ctx.set_xs = set_xs  # the gather mode's [c, K_loc] logits (None: the GEMM mode's chunk)
+        ctx.set_xs = set_xs  # each chunk's [c, K_loc] kept logits (None: batch invariant)
+        ctx.gathered = [c in hcs for c in range(len(srs))]  # the chunks of the gather mode
         return _kept_for_backward(ctx, call, masks, rows, saved, outs)
 
     @staticmethod
@@ -291,34 +309,47 @@ class LinearSetLogprobs(torch.autograd.Function):
         acc = compute_dtype(wm.dtype)
         gathered = call.ops(wm).gathered
         dh = torch.zeros(h.shape, dtype=acc, device=h.device) if need[0] else None
-        # the fp32 dW sum of the GEMM mode's chunks and the whole-vocab rows, where any; the gather
-        # mode's chunks add theirs once, after the last chunk (GatheredRows.weight_grad)
-        gemm_rows = any(x is None or sr.full.numel() for x, (sr, *_) in zip(ctx.set_xs, ctx.saved))
-        dw = torch.zeros(w.shape, dtype=acc, device=w.device) if need[1] and gemm_rows else None
+        any_full = any(sr.full.numel() for sr, *_ in ctx.saved)
+        both = any(ctx.gathered) and not all(ctx.gathered)
+        # dW's fp32 sum where more than one pass adds to it (the batch-invariant chunks, the whole-vocab
+        # rows' GEMMs of each chunk, both modes); else the one pass writes it, rounded once
+        dw = None
+        if need[1] and (call.batch_invariant or any_full or both):
+            dw = torch.zeros(w.shape, dtype=acc, device=w.device)
         db = torch.zeros(w.shape[0], dtype=acc, device=w.device) if need[2] else None
-        parts = []  # the gather mode's (d, cols, h rows) of each chunk
+        parts, gemm_parts, dh_parts = [], [], []  # gather mode (d, cols, h rows); GEMM mode (d, cols, h, dh rows)
         add_dh = invariant_dh(call, w) if call.batch_invariant else None
         for c, (sr, tau, m, log_s, ent) in enumerate(ctx.saved):
             h_c = rows.gather(c, hm)
-            set_x = ctx.set_xs[c]
-            ch = _linear_chunk(call, sr, h_c, wm, bm, set_x)
+            ch = _linear_chunk(call, sr, h_c, wm, bm, ctx.set_xs[c])
             ch.masked(call, ctx.masks, tau)
             g_lp = None if g_logp is None else rows.gather(c, g_logp.reshape(-1))
             g_h = None if g_entropy is None else rows.gather(c, g_entropy.reshape(-1))
             coefs = set_grad_coefs(g_lp, g_h, sr, ent, log_s, call)
             d_set, d_full = ch.grads(call, m, coefs)
+            # this chunk's rows of dh (fp32): its rows of dh, or (sequence parallel) the gathered
+            # rows' partial sum, reduce-scattered once every chunk's GEMM-mode part is in
+            dh_c = None
+            if dh is not None:
+                dh_c = torch.zeros(h_c.shape, dtype=acc, device=h.device) if call.sequence_parallel \
+                    else dh[rows.local[c]]
             if call.batch_invariant:  # d_set: the whole shard's columns
-                dh_c = _shard_grads(d_set, h_c, wm, dw, db, add_dh, want_dh=dh is not None)
+                _shard_grads(d_set, h_c, wm, dw, db, add_dh, dh_c)
             else:
-                dh_c = _linear_grads(sr, d_set, d_full, h_c, wm, gathered if set_x is not None else None, dw, db,
-                                     parts, want_dh=dh is not None)
-            if dh is not None and call.sequence_parallel:
+                _linear_grads(sr, d_set, d_full, h_c, wm, gathered if ctx.gathered[c] else None, dw, db,
+                              parts, gemm_parts, dh_c)
+            dh_parts.append(dh_c)
+        if gemm_parts:  # the GEMM mode's set columns of all its chunks, by vocab blocks
+            direct = dw is None and need[1]
+            if direct:
+                dw = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+            gemm_set_grads(gemm_parts, wm, dw, db, CHUNK_BYTES, accumulate=not direct)
+        if dh is not None and call.sequence_parallel:
+            for c, dh_c in enumerate(dh_parts):
                 dh[rows.local[c]] = rows.scatter_grad(c, dh_c)
-            elif dh is not None:
-                dh[rows.local[c]] += dh_c
-        if dh is not None and not call.sequence_parallel:
+        elif dh is not None:
             sum_dh_over_ranks(rows, dh)
-        if parts or (need[1] and dw is None):  # the gather mode's dW (into the GEMM mode's sum, if any) and db
+        if parts or (need[1] and dw is None):  # the gather mode's dW (into the sum so far, if any) and db
             dw = gathered.weight_grad(parts, w, w.dtype if need[1] else None, dw, db)
         out = tuple(None if g is None else g.to(t.dtype) for g, t in ((dh, h), (dw, w), (db, b)))
         return out + (None,) * 5
@@ -350,53 +381,44 @@ def _linear_chunk(call: Call, sr: SetRows, h_c, w, b, set_x):
     return SetChunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None)
 
 
-def _linear_grads(sr: SetRows, d_set, d_full, h_c, w, gathered: GatheredRows | None, dw, db, parts: list, *,
-                  want_dh: bool):
-    """Add the chunk's ``dW``/``db`` (fp32 sums) and return its partial ``dh`` rows (fp32): the set's
-    columns through ``gathered`` (the gather mode: ``dh`` here, ``(d, cols, h)`` appended to
-    ``parts`` for one ``dW`` of all the chunks) or the shard's GEMM, the whole-vocab rows through the GEMM."""
-    acc = d_set.dtype
+def _linear_grads(sr: SetRows, d_set, d_full, h_c, w, gathered: GatheredRows | None, dw, db, parts: list,
+                  gemm_parts: list, dh_c):
+    """Add the chunk's ``dW``/``db`` (fp32 sums) and ``dh`` rows (into ``dh_c``, fp32, or None): the
+    set's columns through ``gathered`` (the gather mode: ``dh`` here, ``(d, cols, h)`` appended to
+    ``parts`` for one ``dW`` of all the chunks) or, the GEMM mode, ``(d, cols, h, dh_c)`` appended
+    to ``gemm_parts`` for :func:`~vparallel_ce.set_gemm.gemm_set_grads`; the whole-vocab rows through the GEMM."""
+    cols = _kept_cols(sr)
     if gathered is not None:
-        cols = _kept_cols(sr)
-        dh_c = gathered.hidden_grad(d_set, cols, w).to(acc) if want_dh else None
+        if dh_c is not None:
+            dh_c += gathered.hidden_grad(d_set, cols, w)
         parts.append((d_set, cols, h_c))
-        d_rows, rows_h = d_full, (h_c[sr.full] if d_full is not None else None)
-        idx = sr.full
     else:
-        dh_c = torch.zeros(h_c.shape, dtype=acc, device=h_c.device) if want_dh else None
-        d = torch.zeros((h_c.shape[0], w.shape[0]), dtype=acc, device=h_c.device)
-        d.scatter_add_(1, sr.cols, d_set)
-        if d_full is not None:
-            d[sr.full] = d_full
-        d_rows, rows_h, idx = d, h_c, None
-    if d_rows is not None:
-        if db is not None:
-            db += d_rows.sum(0)
-        dm = d_rows.to(w.dtype)  # the gradient GEMMs' operand, rounded once (as the full op's)
-        if want_dh:
-            part = mm_as(dm, w, acc)
-            if idx is None:
-                dh_c += part
-            else:
-                dh_c.index_add_(0, idx, part)
-        if dw is not None:
-            dw += mm_as(dm.t(), rows_h, acc)
-    return dh_c
+        gemm_parts.append((d_set, cols, h_c, dh_c))
+    if d_full is None:
+        return
+    if db is not None:
+        db += d_full.sum(0)
+    dm = d_full.to(w.dtype)  # the gradient GEMMs' operand, rounded once (as the full op's)
+    if dh_c is not None:
+        dh_c.index_add_(0, sr.full, mm_as(dm, w, dh_c.dtype))
+    if dw is not None:
+        mm_into(dw, dm.t(), h_c[sr.full], accumulate=True)
 
 
-def _shard_grads(d, h_c, w, dw, db, add_dh, *, want_dh: bool):
+def _shard_grads(d, h_c, w, dw, db, add_dh, dh_c):
     """The batch-invariant mode's :func:`_linear_grads`: ``d [c, V_loc]`` the chunk's logits'
     gradient over the whole shard (fp32); ``dh`` rows through ``add_dh``
-    (:func:`~vparallel_ce.chunk_walk.invariant_dh`), ``dW``/``db`` added to their fp32 sums."""
+    (:func:`~vparallel_ce.chunk_walk.invariant_dh`) into ``dh_c`` (fp32, zero; or None),
+    ``dW``/``db`` added to their fp32 sums."""
     if db is not None:
         db += d.sum(0)
     dm = d.to(w.dtype)  # the gradient GEMMs' operand, rounded once (as the full op's)
-    dh_c = torch.zeros(h_c.shape, dtype=d.dtype, device=h_c.device) if want_dh else None
-    if want_dh:
-        add_dh(dh_c, dm, w)
+    if dh_c is not None:
+        part = torch.zeros(h_c.shape, dtype=d.dtype, device=h_c.device)
+        add_dh(part, dm, w)
+        dh_c += part
     if dw is not None:
-        dw += mm_as(dm.t(), h_c, d.dtype)
-    return dh_c
+        mm_into(dw, dm.t(), h_c, accumulate=True)
 
 
 def set_logprobs(x, target, support, call: Call, options, chunks: int):

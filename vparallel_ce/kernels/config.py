@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import contextvars
 import enum
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-__all__ = ["KernelChoice", "KernelSettings", "settings", "use", "interpreting"]
+import torch
+
+__all__ = ["KernelChoice", "KernelSettings", "settings", "use", "interpreting", "sm_count"]
 
 
 class KernelChoice(enum.Enum):
@@ -148,3 +151,12 @@ def interpreting() -> bool:
     """Whether Triton kernels run under its CPU interpreter (``TRITON_INTERPRET=1`` when this module
     was imported)."""
     return _INTERPRETING
+
+
+@functools.lru_cache(maxsize=64)  # (a device query per launch otherwise)
+def sm_count(device) -> int:
+    """The multiprocessors of a CUDA ``device`` (4 under the interpreter or off CUDA): the size of
+    the kernels' persistent grids."""
+    if interpreting() or device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -4,19 +4,20 @@ the logits of its ``K`` kept ids only. ``cols [c, K]`` holds, per token, the loc
 kept ids and ``-1`` where none (padding, ids of other shards); a ``-1`` entry reads and adds nothing.
 
 * :func:`logits` -- ``x[n, k] = h[n] . w[cols[n, k]] (+ b[cols[n, k]])`` for all the chunks of a
-  call at once, in weight-row order (the pairs sorted as for ``dW`` below): one program per weight
-  row reads its row once and dots it with the hidden rows of its pairs (``[N, H]``, far smaller
-  than the weight: from cache where it fits); the products are summed in fp32 and rounded once to the
-  output dtype (the bias added in fp32 first). A row of the weight is read from memory once per
-  call instead of once per pair: at ``K = 512`` of ``V = 151936`` each row serves ~28 tokens;
+  call at once, over the pairs sorted by weight row (as for ``dW`` below): one program per block of
+  consecutive sorted pairs dots each pair's weight row with its hidden row, in fp32, rounded once
+  to the output dtype (the bias added in fp32 first). A weight row's run of pairs shares its blocks,
+  so the row is read from memory about once per call instead of once per pair (at ``K = 512`` of
+  ``V = 151936`` each row serves ~28 tokens); the grid follows the pairs, not ``V``;
 * :func:`hidden_grad` -- ``dh[n] = sum_k d[n, k] w[cols[n, k]]`` in fp32: one program per (token,
   block of ``H``) walks the token's ``K`` rows;
 * :func:`weight_grad` -- ``dW[v] = sum_{(n, k): cols[n, k] = v} d[n, k] h[n]`` (and ``db[v] +=
   sum d[n, k]``) over ALL the call's chunks at once, after the last: their ``(row, pair)`` list
-  sorted by row once (a stable ``torch.sort``), the start of each weight row's run found by
-  ``torch.searchsorted`` (no host read), then one program per (weight row, block of ``H``) sums its
-  own pairs in fp32, in sorted order, and writes the row it alone owns, rounded once to ``dW``'s
-  dtype -- no atomics, no fp32 ``[V, H]`` buffer read and written per chunk, and the same bits on
+  sorted by row once (a stable ``torch.sort``) and cut into runs of one row (found by a cumulative
+  sum, no host read); programs stride over the runs (their count read on the device) and over the
+  blocks of ``H``, each run summed in fp32 in sorted order and its row written once, rounded once to
+  ``dW``'s dtype. Rows without pairs launch nothing: ``dW`` starts as one zero fill (or the base,
+  rounded once). No atomics, no fp32 ``[V, H]`` buffer read and written per chunk, the same bits on
   every run.
 
 None of them makes the ``[c, K, H]`` gathered rows: each gathered row is read once per pass and
@@ -37,7 +38,7 @@ import triton.language as tl
 
 from .. import gathered_rows as torch_rows
 from .backend import GatheredRows
-from .config import interpreting
+from .config import interpreting, sm_count
 
 __all__ = ["GATHERED", "logits", "hidden_grad", "weight_grad"]
 
@@ -50,30 +51,31 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOGITS_BP, _LOGITS_BH, _LOGITS_WARPS = 16, 256, 4
 _DH_BK, _DH_BH, _DH_WARPS = 16, 512, 8
 _DW_BP, _DW_BH, _DW_WARPS = 8, 1024, 8  # wide: at small K most weight rows have one pair or none
+_DW_PER_SM = 16  # dW programs per SM, each striding over the runs (several resident at a time)
 
 
-@triton.jit(do_not_specialize=["V"])
-def _logits_kernel(STARTS, ORDER, ROWS, H_, W_, B_, X_, V, HD, s_h, s_w,
+@triton.jit(do_not_specialize=["P", "V"])
+def _logits_kernel(KEYS, ORDER, ROWS_S, H_, W_, B_, X_, P, V, HD, s_h, s_w,
                    HAS_BIAS: tl.constexpr, BP: tl.constexpr, BH: tl.constexpr):
-    v = tl.program_id(0).to(tl.int64)
-    start = tl.load(STARTS + v)
-    end = tl.load(STARTS + v + 1)
-    pp = tl.arange(0, BP)
+    # BP consecutive pairs of the row-sorted list: a weight row's run of pairs is read from memory
+    # once and from cache by its next pairs; a pad (row V) stores 0
+    p = tl.program_id(0).to(tl.int64) * BP + tl.arange(0, BP)
+    pin = p < P
+    v = tl.load(KEYS + p, mask=pin, other=V).to(tl.int64)
+    ok = pin & (v < V)
+    n = tl.load(ROWS_S + p, mask=ok, other=0)
     hs = tl.arange(0, BH)
-    for p0 in range(start, end, BP):
-        pin = p0 + pp < end
-        pair = tl.load(ORDER + p0 + pp, mask=pin, other=0)
-        n = tl.load(ROWS + pair, mask=pin, other=0)
-        acc2 = tl.zeros((BP, BH), dtype=tl.float32)
-        for h0 in range(0, HD, BH):
-            hin = h0 + hs < HD
-            wv = tl.load(W_ + v * s_w + h0 + hs, mask=hin, other=0.0)  # from cache after the first pairs
-            hv = tl.load(H_ + n[:, None] * s_h + (h0 + hs)[None, :], mask=pin[:, None] & hin[None, :], other=0.0)
-            acc2 += hv.to(tl.float32) * wv.to(tl.float32)[None, :]
-        x = tl.sum(acc2, axis=1)
-        if HAS_BIAS:
-            x += tl.load(B_ + v).to(tl.float32)
-        tl.store(X_ + pair, x.to(X_.dtype.element_ty), mask=pin)
+    acc2 = tl.zeros((BP, BH), dtype=tl.float32)
+    for h0 in range(0, HD, BH):
+        m = ok[:, None] & (h0 + hs < HD)[None, :]
+        wt = tl.load(W_ + v[:, None] * s_w + (h0 + hs)[None, :], mask=m, other=0.0)
+        hv = tl.load(H_ + n[:, None] * s_h + (h0 + hs)[None, :], mask=m, other=0.0)
+        acc2 += hv.to(tl.float32) * wt.to(tl.float32)
+    x = tl.sum(acc2, axis=1)
+    if HAS_BIAS:
+        x += tl.load(B_ + v, mask=ok, other=0.0).to(tl.float32)
+    pair = tl.load(ORDER + p, mask=pin, other=0)
+    tl.store(X_ + pair, x.to(X_.dtype.element_ty), mask=pin)
 
 
 @triton.jit(do_not_specialize=["c", "K"])
@@ -93,36 +95,38 @@ def _dh_kernel(D_, COLS, W_, DH, c, K, HD, s_d, s_c, s_w, s_dh, BK: tl.constexpr
     tl.store(DH + n * s_dh + hs, tl.sum(acc2, axis=0), mask=hin)
 
 
-@triton.jit(do_not_specialize=["V"])
-def _dw_kernel(STARTS, ORDER, D_, ROWS, H_, BASE, OUT, DB, V, HD, s_h, s_base, s_out,
+@triton.jit(do_not_specialize=["G"])
+def _dw_kernel(RUNS, RUN_ROW, NRUNS, D_S, ROWS_S, H_, BASE, OUT, DB, G, HD, s_h, s_base, s_out,
                HAS_BASE: tl.constexpr, HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, BP: tl.constexpr,
                BH: tl.constexpr):
-    v = tl.program_id(0).to(tl.int64)
+    # programs stride over the runs of the row-sorted pairs (one run: one weight row's pairs), their
+    # count read here: rows without pairs launch nothing (dW's zeros or base come from the host)
     hs = tl.program_id(1) * BH + tl.arange(0, BH)
     hin = hs < HD
-    start = tl.load(STARTS + v)
-    end = tl.load(STARTS + v + 1)
     pp = tl.arange(0, BP)
-    acc2 = tl.zeros((BP, BH), dtype=tl.float32)
-    dsum = tl.zeros((BP,), dtype=tl.float32)
-    for p0 in range(start, end, BP):
-        pin = p0 + pp < end
-        pair = tl.load(ORDER + p0 + pp, mask=pin, other=0)
-        d = tl.load(D_ + pair, mask=pin, other=0.0)
-        dsum += d
+    n_runs = tl.load(NRUNS)
+    for r in range(tl.program_id(0), n_runs, tl.num_programs(0)):
+        start = tl.load(RUNS + r)
+        end = tl.load(RUNS + r + 1)
+        v = tl.load(RUN_ROW + r).to(tl.int64)
+        acc2 = tl.zeros((BP, BH), dtype=tl.float32)
+        dsum = tl.zeros((BP,), dtype=tl.float32)
+        for p0 in range(start, end, BP):
+            pin = p0 + pp < end
+            d = tl.load(D_S + p0 + pp, mask=pin, other=0.0)
+            dsum += d
+            if HAS_DW:
+                n = tl.load(ROWS_S + p0 + pp, mask=pin, other=0)
+                hv = tl.load(H_ + n[:, None] * s_h + hs[None, :], mask=pin[:, None] & hin[None, :], other=0.0)
+                acc2 += hv.to(tl.float32) * d[:, None]
         if HAS_DW:
-            n = tl.load(ROWS + pair, mask=pin, other=0)
-            hv = tl.load(H_ + n[:, None] * s_h + hs[None, :], mask=pin[:, None] & hin[None, :], other=0.0)
-            acc2 += hv.to(tl.float32) * d[:, None]
-    if HAS_DW:  # every row written, a row without pairs as its base (or 0)
-        acc = tl.sum(acc2, axis=0)
-        if HAS_BASE:
-            acc += tl.load(BASE + v * s_base + hs, mask=hin, other=0.0)
-        tl.store(OUT + v * s_out + hs, acc.to(OUT.dtype.element_ty), mask=hin)
-    if HAS_DB:
-        if tl.program_id(1) == 0:
-            has = end > start
-            tl.store(DB + v, tl.load(DB + v, mask=has, other=0.0) + tl.sum(dsum, axis=0), mask=has)
+            acc = tl.sum(acc2, axis=0)
+            if HAS_BASE:
+                acc += tl.load(BASE + v * s_base + hs, mask=hin, other=0.0)
+            tl.store(OUT + v * s_out + hs, acc.to(OUT.dtype.element_ty), mask=hin)
+        if HAS_DB:
+            if tl.program_id(1) == 0:
+                tl.store(DB + v, tl.load(DB + v) + tl.sum(dsum, axis=0))
 
 
 # --------------------------------------------------------------------------------------------- host
@@ -140,22 +144,36 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class _ByRow:
-    """The chunks' ``(token, id)`` pairs in weight-row order: ``order`` (flat pair indices, the
-    chunks' ``cols`` concatenated, sorted by row, stably), ``starts [V + 1]`` (row ``v``'s pairs are
-    ``order[starts[v]:starts[v + 1]]``; found by ``torch.searchsorted``, no host read), ``rows`` (each
-    pair's row of ``h``, the chunks' hidden rows stacked; one chunk: its own rows, no copy) and
-    ``count`` (the pairs, pads included). A pad (``-1``) is moved past the last row, in no row's run."""
+    """The chunks' ``(token, id)`` pairs in weight-row order: ``keys`` (each sorted pair's weight
+    row, ``V`` for a pad: pads sort last), ``order`` (its flat pair index, the chunks' ``cols``
+    concatenated, sorted by row, stably), ``rows`` (its row of ``h``, the chunks' hidden rows stacked;
+    one chunk: its own rows, no copy) and ``count`` (the pairs, pads included). With ``runs``: the
+    runs of equal rows, found without a host read -- ``run_row [G]`` the row of run ``r`` and
+    ``run_start [G + 1]`` its first pair (``run_start[r + 1]`` its end), ``n_runs`` their count
+    (a device scalar), ``G = min(V, count)`` bounding it; entries past ``n_runs`` are empty runs."""
 
-    def __init__(self, cols: list[torch.Tensor], hs: list[torch.Tensor], v: int):
+    def __init__(self, cols: list[torch.Tensor], hs: list[torch.Tensor], v: int, *, runs: bool = False):
         dev = hs[0].device
         self.h = _rows(hs[0]) if len(hs) == 1 else torch.cat(hs)
         starts = accumulate([h.shape[0] for h in hs[:-1]], initial=0)
-        self.rows = torch.cat([(torch.arange(c.shape[0], device=dev) + off).repeat_interleave(c.shape[1])
-                               for c, off in zip(cols, starts)])
+        rows = torch.cat([(torch.arange(c.shape[0], device=dev) + off).repeat_interleave(c.shape[1])
+                          for c, off in zip(cols, starts)])
         keys = torch.cat([torch.where(c >= 0, c, v).reshape(-1) for c in cols]).to(torch.int32)  # (radix: 4 bytes)
-        keys, self.order = torch.sort(keys, stable=True)
-        self.starts = torch.searchsorted(keys, torch.arange(v + 1, device=dev, dtype=torch.int32))
+        self.keys, self.order = torch.sort(keys, stable=True)
+        self.rows = rows[self.order]
         self.count = keys.numel()
+        if runs:
+            g = min(v, self.count)
+            real = self.keys < v
+            first = real.clone()
+            first[1:] &= self.keys[1:] != self.keys[:-1]
+            run = first.cumsum(0) - 1
+            at = torch.where(first, run, g + 1)  # (the last slot: not a run's first pair; never read)
+            self.n_runs = first.sum(dtype=torch.int32).reshape(1)
+            self.run_start = real.sum(dtype=torch.int64).reshape(1).repeat(g + 2)  # empty runs end where pads begin
+            self.run_start.scatter_(0, at, torch.arange(self.count, device=dev))
+            self.run_row = torch.zeros(g + 2, dtype=torch.int32, device=dev).scatter_(0, at, self.keys)
+            self.g = g
 
 
 def logits(parts, w: torch.Tensor, b: torch.Tensor | None, out_dtype: torch.dtype) -> list[torch.Tensor]:
@@ -167,12 +185,12 @@ def logits(parts, w: torch.Tensor, b: torch.Tensor | None, out_dtype: torch.dtyp
         return torch_rows.logits(parts, w, b, out_dtype)
     w = _rows(w)
     by_row = _ByRow([cols for cols, _ in parts], hs, w.shape[0])
-    x = torch.zeros(by_row.count, dtype=out_dtype, device=w.device)
+    x = torch.empty(by_row.count, dtype=out_dtype, device=w.device)  # (every pair stored, a pad's as 0)
     if by_row.count:
-        _logits_kernel[(w.shape[0],)](by_row.starts, by_row.order, by_row.rows, by_row.h, w,
-                                      b if b is not None else w, x, w.shape[0], w.shape[1], by_row.h.stride(0),
-                                      w.stride(0), HAS_BIAS=b is not None, BP=_LOGITS_BP, BH=_LOGITS_BH,
-                                      num_warps=_LOGITS_WARPS)
+        _logits_kernel[(triton.cdiv(by_row.count, _LOGITS_BP),)](
+            by_row.keys, by_row.order, by_row.rows, by_row.h, w, b if b is not None else w, x, by_row.count,
+            w.shape[0], w.shape[1], by_row.h.stride(0), w.stride(0), HAS_BIAS=b is not None, BP=_LOGITS_BP,
+            BH=_LOGITS_BH, num_warps=_LOGITS_WARPS)
     return [part.view(cols.shape) for part, (cols, _) in zip(x.split([cols.numel() for cols, _ in parts]), parts)]
 
 
@@ -204,14 +222,19 @@ def weight_grad(parts, w: torch.Tensor, out_dtype: torch.dtype | None, base: tor
             or (base is not None and (base.dtype != torch.float32 or not base.is_contiguous()))
             or (db is not None and (db.dtype != torch.float32 or not db.is_contiguous()))):
         return torch_rows.weight_grad(parts, w, out_dtype, base, db)
-    dev = hs[0].device
     d = torch.cat([d.reshape(-1) for d, _, _ in parts])
-    by_row = _ByRow([cols for _, cols, _ in parts], hs, v)
-    starts, order, rows, h = by_row.starts, by_row.order, by_row.rows, by_row.h
-    out = None if out_dtype is None else torch.empty(shape, dtype=out_dtype, device=dev)
+    by_row = _ByRow([cols for _, cols, _ in parts], hs, v, runs=True)
+    d = d[by_row.order]
+    # rows without pairs: 0 (one fill) or the base, rounded once; the kernel writes the others
+    out = None
+    if out_dtype is not None:
+        out = base.to(out_dtype) if base is not None else torch.zeros(shape, dtype=out_dtype, device=d.device)
     n_h = 1 if out is None else triton.cdiv(hd, _DW_BH)
-    _dw_kernel[(v, n_h)](starts, order, d, rows, h, base if base is not None else d, out if out is not None else d,
-                         db if db is not None else d, v, hd, h.stride(0), 0 if base is None else base.stride(0),
+    if by_row.g:
+        grid = (max(1, min(by_row.g, _DW_PER_SM * sm_count(d.device))), n_h)
+        _dw_kernel[grid](by_row.run_start, by_row.run_row, by_row.n_runs, d, by_row.rows, by_row.h,
+                         base if base is not None else d, out if out is not None else d, db if db is not None else d,
+                         by_row.g, hd, by_row.h.stride(0), 0 if base is None else base.stride(0),
                          0 if out is None else out.stride(0), HAS_BASE=base is not None, HAS_DW=out is not None,
                          HAS_DB=db is not None, BP=_DW_BP, BH=_DW_BH, num_warps=_DW_WARPS)
     return out

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from .config import settings
+from .config import settings, sm_count as _sm_count
 from .triton_ce import _DTYPES, _interpreting
 
 try:  # Triton >= 3.3
@@ -87,13 +87,6 @@ def covered(h: torch.Tensor, w: torch.Tensor) -> bool:
 @functools.lru_cache(maxsize=64)
 def _capability(device) -> tuple:
     return torch.cuda.get_device_capability(device)
-
-
-@functools.lru_cache(maxsize=64)  # as _capability
-def _sm_count(device) -> int:
-    if _interpreting() or device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
