@@ -350,3 +350,90 @@ def test_topk_record_is_a_topk_teacher():
     assert torch.equal(teacher.ids, ref.ids) and torch.allclose(teacher.logprobs, ref.logprobs)
     loss = vparallel_ce.distillation_loss(torch.randn(4, 11), teacher, temperature=2.0)
     assert torch.isfinite(loss)
+
+
+def _modes_differ_rank(rank, world):
+    """The linear op where each rank's rule picks its own mode per chunk (a per-rank GATHER_RATIO;
+    V = 7: shards 2, 2, 2, 1, V = 5: 2, 2, 1, 0): ids only in shard 0 on some rows, whole-vocabulary
+    rows, an ignored token, with and without sequence parallelism and check; against float64.
+    Returns the failures and, per case, the modes this rank took (gather or not, per chunk)."""
+    group = _group(world)
+    report, modes = [], []
+    rule = sampling_set.gathers
+    default = sampling_set.GATHER_RATIO
+
+    def spy(k_loc, width):
+        modes[-1].append(rule(k_loc, width))
+        return modes[-1][-1]
+
+    sampling_set.gathers = spy
+    try:
+        for v, k in ((7, 3), (5, 1)):
+            x, t, sup = _data(v, k, torch.float64, seed=v + 20 * k)
+            sup[5:7] = -1
+            sup[5:7, 0] = t[5:7] = 0  # ids of shard 0 only: a chunk that keeps nothing on the other ranks
+            keep = _set_mask(sup, v)
+            g = torch.Generator().manual_seed(v * k)
+            h, wt = (torch.randn(n, H, generator=g, dtype=torch.float64) for n in (N, v))
+            bt = torch.randn(v, generator=g, dtype=torch.float64)
+            leaves = [a.clone().requires_grad_() for a in (h, wt, bt)]
+            u = torch.linspace(-1, 1, N, dtype=torch.float64)
+            rl, re = _reference(leaves[0] @ leaves[1].T + leaves[2], t, keep, 0.7)
+            rg = torch.autograd.grad((rl * u).sum() + re.sum(), leaves)
+            for ratios in ((1, 2, 10**9, 2), (10**9, 1, 2, 1)):
+                for sp, check in ((False, True), (True, True), (True, False)):
+                    sampling_set.GATHER_RATIO = ratios[rank]
+                    modes.append([])
+                    case = f"[TP{world} V={v} K={k} ratios={ratios} sp={sp} check={check}]"
+                    rows = shard(torch.arange(N), world, rank, 0) if sp else torch.arange(N)
+                    ins = [h[rows], shard(wt, world, rank, 0), shard(bt, world, rank, 0)]
+                    ins = [a.clone().requires_grad_() for a in ins]
+                    lp, ent = vparallel_ce.linear_token_logprobs(
+                        ins[0], ins[1], t[rows], ins[2], group=group, sequence_parallel=sp, support=sup[rows],
+                        temperature=0.7, with_entropy=True, chunks=3, check=check, vocab_size=v)
+                    got = torch.autograd.grad((lp * u[rows]).sum() + ent.sum(), ins)
+                    want = (rg[0][rows], shard(rg[1], world, rank, 0), shard(rg[2], world, rank, 0))
+                    for what, a, b, full in (("logp", lp, rl[rows], rl), ("entropy", ent, re[rows], re)) + tuple(
+                            zip(("d hidden", "d weight", "d bias"), got, want, rg)):
+                        if rel_err(a, b.detach(), scale=full) > 1e-10:
+                            report.append(f"{case} {what}: rel err {rel_err(a, b.detach(), scale=full):.2e}")
+    finally:
+        sampling_set.gathers = rule
+        sampling_set.GATHER_RATIO = default
+    return report, modes
+
+
+def test_ranks_taking_different_set_modes_match_float64():
+    # a rank's modes follow its own shard (K_loc per chunk): the collectives (sequence parallelism's
+    # all-gathers and reduce-scatters, the statistics' exchanges) must not, forward or backward
+    results = run_ranks(_modes_differ_rank, 4)
+    failures = [line for report, _ in results for line in report]
+    assert not failures, "\n".join(failures[:40])
+    per_case = list(zip(*(modes for _, modes in results)))
+    assert any(len({tuple(m) for m in case}) > 1 for case in per_case), "no case had ranks in different modes"
+    assert any(len(set(m)) > 1 for case in per_case for m in case), "no rank mixed the modes over its chunks"
+
+
+def test_a_repeated_id_with_check_false_counts_twice_in_both_modes():
+    # check=False takes the set as given: an id twice in a row is two entries of the renormalised
+    # sum; each mode's gradient is the derivative of that value
+    x, t, sup = _data(7, 3, torch.float64, seed=8)
+    other = (t[0] + 1) % 7
+    sup[0] = torch.stack([other, t[0], other])  # two copies of an id beside the target
+    g = torch.Generator().manual_seed(2)
+    h, w = torch.randn(N, H, generator=g, dtype=torch.float64), torch.randn(7, H, generator=g, dtype=torch.float64)
+    leaves = [a.clone().requires_grad_() for a in (h, w)]
+    xl = leaves[0] @ leaves[1].T
+    want = xl.gather(1, t.clamp(min=0)[:, None])[:, 0] - torch.logsumexp(xl.gather(1, sup.clamp(min=0)), -1)
+    want_g = torch.autograd.grad(want[0], leaves)
+    default = sampling_set.GATHER_RATIO
+    try:
+        for ratio in (1, 10**9):
+            sampling_set.GATHER_RATIO = ratio
+            ins = [a.clone().requires_grad_() for a in (h, w)]
+            lp = vparallel_ce.linear_token_logprobs(ins[0], ins[1], t, support=sup, check=False)
+            assert rel_err(lp[0], want[0].detach()) < 1e-12, (ratio, lp[0], want[0])
+            for what, a, b in zip(("d hidden", "d weight"), torch.autograd.grad(lp[0], ins), want_g):
+                assert rel_err(a, b) < 1e-12, (ratio, what, rel_err(a, b))
+    finally:
+        sampling_set.GATHER_RATIO = default

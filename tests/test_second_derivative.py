@@ -19,6 +19,7 @@ def _ops():
     w = torch.randn(V, H, generator=g, dtype=torch.float64)
     t = torch.randint(0, V, (N,), generator=g)
     x = torch.randn(N, V, generator=g, dtype=torch.float64)
+    support = torch.stack([t, (t + 1) % V, (t + 3) % V], -1)
     return {
         "cross_entropy": ((x,), lambda x: vparallel_ce.cross_entropy(x, t)),
         "token_logprobs": ((x,), lambda x: vparallel_ce.token_logprobs(x, t).sum()),
@@ -30,7 +31,28 @@ def _ops():
         "linear_cross_entropy vocab blocks": (
             (h, w), lambda h, w: vparallel_ce.linear_cross_entropy(h, w, t, schedule="vocab", chunks=2)),
         "linear_token_logprobs": ((h, w), lambda h, w: vparallel_ce.linear_token_logprobs(h, w, t).sum()),
+        # over a sampling set: the given logits' op, and the linear op in each mode of the rule
+        "token_logprobs over a set": ((x,), lambda x: vparallel_ce.token_logprobs(x, t, support=support).sum()),
+        "token_logprobs over top_k": ((x,), lambda x: vparallel_ce.token_logprobs(x, t, top_k=3).sum()),
+        "linear_token_logprobs over a set, gather mode": (
+            (h, w), lambda h, w: _with_ratio(1, lambda: vparallel_ce.linear_token_logprobs(h, w, t, support=support))),
+        "linear_token_logprobs over a set, GEMM mode": (
+            (h, w), lambda h, w: _with_ratio(10**9, lambda: vparallel_ce.linear_token_logprobs(h, w, t,
+                                                                                                support=support))),
     }
+
+
+def _with_ratio(ratio: int, op):
+    """``op()``'s summed output with the sampling set's mode rule at ``GATHER_RATIO = ratio`` (1: every
+    chunk gathers its rows; huge: every chunk takes the GEMM)."""
+    from vparallel_ce import sampling_set
+
+    default = sampling_set.GATHER_RATIO
+    sampling_set.GATHER_RATIO = ratio
+    try:
+        return op().sum()
+    finally:
+        sampling_set.GATHER_RATIO = default
 
 
 @pytest.mark.parametrize("name", list(_ops()))

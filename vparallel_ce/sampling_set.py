@@ -76,6 +76,7 @@ from .chunk_walk import Rows, invariant_dh, sum_dh_over_ranks
 from .gemm import logits as lm_logits, matmul_inputs, mm_as, mm_into
 from .kernels import TORCH_GATHERED, GatheredRows
 from .sampling_masks import SamplingMasks
+from .second_order import first_order_only
 from .set_chunk import SetChunk, SetRows, chunk_outputs, set_grad_coefs
 from .set_gemm import gemm_set_grads
 from .stats import compute_dtype
@@ -209,6 +210,7 @@ class SetLogprobs(torch.autograd.Function):
         return _kept_for_backward(ctx, call, masks, rows, saved, outs)
 
     @staticmethod
+    @first_order_only("token_logprobs")
     def backward(ctx, g_logp, g_entropy):
         (x,) = ctx.saved_tensors
         call = ctx.call
@@ -293,6 +295,7 @@ class LinearSetLogprobs(torch.autograd.Function):
         return _kept_for_backward(ctx, call, masks, rows, saved, outs)
 
     @staticmethod
+    @first_order_only("linear_token_logprobs")
     def backward(ctx, g_logp, g_entropy):
         h, w, b, target, support = ctx.saved_tensors
         call, rows = ctx.call, ctx.rows

@@ -26,12 +26,12 @@ def gemm_set_grads(gemm_parts: list, w, dw, db, budget: int, *, accumulate: bool
     """The GEMM mode's gradients of the set columns, all its chunks at once. ``gemm_parts``: per
     chunk ``(d [c, K_c] fp32, cols [c, K_c] local columns or -1, h [c, H], dh rows [c, H] fp32 or
     None)``. Per vocab block of the shard (``budget`` bytes of ``[n, block]`` fp32 gradient and its
-    matmul-dtype copy): the kept entries' gradients written into the block's columns (0 elsewhere;
-    the entries sorted by column once, one host read of the blocks' bounds), rounded once to the
-    matmul dtype, and the full op's two GEMMs: ``dh rows += d_blk W_blk`` (fp32) and ``dW[blk] (+)=
-    d_blk^T h`` -- written in ``dw``'s dtype (rounded once) or added to its fp32 sum
-    (``accumulate``); ``db[blk] += sum d_blk``. No ``[n, V_loc]`` buffer, no per-chunk ``[V_loc, H]``
-    sum."""
+    matmul-dtype copy): the kept entries' gradients added into the block's zero columns (an id twice
+    in a row, unchecked, adds twice; the entries sorted by column once, one host read of the blocks'
+    bounds), rounded once to the matmul dtype, and the full op's two GEMMs: ``dh rows += d_blk
+    W_blk`` (fp32) and ``dW[blk] (+)= d_blk^T h`` -- written in ``dw``'s dtype (rounded once) or
+    added to its fp32 sum (``accumulate``); ``db[blk] += sum d_blk``. No ``[n, V_loc]`` buffer, no
+    per-chunk ``[V_loc, H]`` sum."""
     width = w.shape[0]
     if width == 0:
         return
@@ -54,7 +54,7 @@ def gemm_set_grads(gemm_parts: list, w, dw, db, budget: int, *, accumulate: bool
     # the entries sorted by column once (pads last), each block's a contiguous run: one host read of
     # the runs' bounds, then per block only its own entries are written (no pass over all n K)
     key = cols.reshape(-1)
-    key, order = torch.sort(torch.where(key >= 0, key, width).to(torch.int32))  # (a row's columns are distinct)
+    key, order = torch.sort(torch.where(key >= 0, key, width).to(torch.int32))
     row = order // max(k, 1)
     val = d.reshape(-1)[order]
     starts = torch.tensor([blk.start for blk in blocks] + [width], dtype=torch.int32, device=key.device)
@@ -62,7 +62,9 @@ def gemm_set_grads(gemm_parts: list, w, dw, db, budget: int, *, accumulate: bool
     for blk, lo, hi in zip(blocks, bounds[:-1], bounds[1:]):
         s, e = blk.start, blk.stop
         d_blk = torch.zeros((n, e - s), dtype=acc, device=h.device)
-        d_blk.view(-1)[row[lo:hi] * (e - s) + (key[lo:hi] - s)] = val[lo:hi]  # ((n, col) pairs distinct)
+        # added, not assigned: a checked set's (n, col) pairs are distinct (each adds once to 0, exactly);
+        # with check=False an id twice in a row is two entries of its sum, and adds twice
+        d_blk.view(-1).index_add_(0, row[lo:hi] * (e - s) + (key[lo:hi] - s), val[lo:hi])
         if db is not None:
             db[blk] += d_blk.sum(0)
         dm = d_blk.to(w.dtype)
