@@ -7,6 +7,8 @@ Cases (the benchmarks' own methods, on their own inputs):
 * ``rollout:set:<K>[:gather|:gemm]`` / ``rollout:full`` -- ``launch.bench.rollout``'s set op (random
   kept ids, the target among them) or the full-vocabulary op, at ``--shape`` ``NxHxV``;
 * ``mtp:<method>`` -- a method of ``launch.bench.mtp`` (``ours:1``, ``lce:1``, ``compile:1``, ...);
+* ``rl:<method>`` -- a method of ``launch.bench.rl`` (``rl_fused``, ``compile``, ``loss_op``, ...): log-probs
+  and entropy at T = 1;
 * ``ignored:<op>:<compacted|uncompacted>:<fraction>`` -- ``launch.bench.ignored``'s op (``ce``,
   ``logprobs``, ``distill``) with that fraction of its targets ignored.
 
@@ -21,6 +23,7 @@ Run from the repository root::
     python -m launch.bench.profile loss:ours:auto:auto --shape llama3_8b --trace auto.json
     python -m launch.bench.profile mtp:ours:1 --shape 8192x4096x128256
     python -m launch.bench.profile ignored:logprobs:compacted:0.5 --shape llama3_8b
+    python -m launch.bench.profile rl:rl_fused rl:compile --shape 8192x4096x151936
     python -m launch.bench.profile --smoke      # CPU, a tiny shape of every case
 """
 
@@ -34,11 +37,12 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from launch.bench import ignored, loss, mtp, rollout
+from launch.bench import ignored, loss, mtp, rl, rollout
 from launch.bench.timing import sync
 from vparallel_ce.policy import ChunkPolicy
 
-SMOKE_CASES = ("loss:ours:auto:auto", "rollout:set:8", "rollout:full", "mtp:ours:1", "ignored:logprobs:compacted:0.5")
+SMOKE_CASES = ("loss:ours:auto:auto", "rollout:set:8", "rollout:full", "mtp:ours:1", "ignored:logprobs:compacted:0.5",
+               "rl:rl_fused")
 SMOKE_SHAPE = "64x32x500"
 
 
@@ -78,7 +82,14 @@ def make_call(case: str, shape: tuple[int, int, int], device: torch.device):
         inp = ignored._inputs(n, hd, v, device, dtype)
         target = ignored._target(n, v, float(frac), False, device)
         return ignored._step(op, inp, target, ChunkPolicy(compact=how == "compacted"))
-    raise ValueError(f"unknown case {case!r} (loss:, rollout:, mtp:, ignored:)")
+    if kind == "rl":
+        h = torch.randn(n, hd, generator=g).to(device, dtype).requires_grad_()
+        w = (torch.randn(v, hd, generator=g) * (2.0 / hd**0.5)).to(device, dtype).requires_grad_()
+        t = torch.randint(0, v, (n,), generator=g).to(device)
+        adv = torch.randn(n, generator=g).to(device)
+        fn = rl.FNS[method]
+        return lambda: rl.run_once(fn, h, w, t, adv, 1.0, "auto")
+    raise ValueError(f"unknown case {case!r} (loss:, rollout:, mtp:, ignored:, rl:)")
 
 
 def profile_case(case: str, shape: tuple[int, int, int], device: torch.device, *, repeats: int, warmup: int,
@@ -99,8 +110,11 @@ def profile_case(case: str, shape: tuple[int, int, int], device: torch.device, *
         sync(device)
     if trace:
         prof.export_chrome_trace(trace)
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = prof.key_averages()
+    # the device-time field was renamed across torch versions
+    key = "self_cpu_time_total"
+    if device.type == "cuda":
+        key = next(k for k in ("self_device_time_total", "self_cuda_time_total") if hasattr(events[0], k))
     print(f"== {case} at {'x'.join(map(str, shape))} on {device}: {host_ms:.3f} ms a call "
           f"(host clock, mean of {repeats})")
     record = {"case": case, "shape": "x".join(map(str, shape)), "device": str(device), "host_ms": host_ms}
@@ -118,7 +132,7 @@ def profile_case(case: str, shape: tuple[int, int, int], device: torch.device, *
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("cases", nargs="*", help="loss:<method>, rollout:set:<K>[:mode], mtp:<method>, "
-                                            "ignored:<op>:<compacted|uncompacted>:<fraction>")
+                                            "ignored:<op>:<compacted|uncompacted>:<fraction>, rl:<method>")
     p.add_argument("--shape", default="llama3_8b", help="a name of launch.bench.loss or NxHxV")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
