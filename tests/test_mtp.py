@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import vparallel_ce
 from tests.dist import one_thread, run_ranks
 from tests.reference import largest_tensor, rel_err, shard
+from vparallel_ce.compaction import compacted_head_rows
 from vparallel_ce.labels import mtp_labels
 
 H = 6
@@ -58,7 +59,7 @@ def reference(case, *, reduction="mean", mtp_scale=0.3, counts=None):
     return total.detach(), torch.stack([x.detach() for x in losses]), torch.stack(hits), grads
 
 
-def run_case(rank, world, group, case, *, reduction, plan, sp=False, dtype=torch.float64, counts=None):
+def run_case(rank, world, group, case, *, reduction, plan, sp=False, dtype=torch.float64, counts=None, policy=None):
     """The op on this rank's shard; the largest relative error of every output against the reference."""
     hiddens, weight, bias, labels, positions = case
     loss_ref, head_ref, acc_ref, grads_ref = reference(case, reduction=reduction, counts=counts)
@@ -74,7 +75,7 @@ def run_case(rank, world, group, case, *, reduction, plan, sp=False, dtype=torch
     b = None if bias is None else shard(bias, world, rank, 0).to(dtype).clone().requires_grad_()
     out = vparallel_ce.linear_mtp_loss(hs, w, lab_in, b, positions=pos_in, group=group, reduction=reduction,
                                        sequence_parallel=sp, chunks=chunks, schedule=schedule, recompute=recompute,
-                                       num_valid_tokens=counts)
+                                       num_valid_tokens=counts, policy=policy)
     out.loss.backward()
     assert not out.head_losses.requires_grad and not out.acceptance.requires_grad
     errs = {"loss": rel_err(out.loss, loss_ref), "head_losses": rel_err(out.head_losses, head_ref),
@@ -107,6 +108,16 @@ def tp_failures(rank, world, group, vocab, limit=None, tol=1e-10) -> list[str]:
         bad = {k: v for k, v in errs.items() if not v < tol}
         if bad:
             failures.append(f"TP {world} rank {rank} V={vocab} {c}: {bad}")
+    # ignored-token compaction: every head keeps the valid rows of the head with the most (a
+    # packed batch: the depths' rolled labels drop more at each document's end)
+    for i, plan in enumerate(PLANS[: limit or len(PLANS)]):
+        depths, reduction = 1 + (i + world) % 3, ("mean", "sum")[i % 2]
+        case = make_case(10 + i, depths=depths, vocab=vocab, seq=40, ignore_frac=0.5)
+        errs = run_case(rank, world, group, case, reduction=reduction, plan=plan,
+                        policy=vparallel_ce.ChunkPolicy(compact=True))
+        bad = {k: v for k, v in errs.items() if not v < tol}
+        if bad:
+            failures.append(f"TP {world} rank {rank} V={vocab} compacted {plan} D={depths} {reduction}: {bad}")
     return failures
 
 
@@ -143,6 +154,32 @@ def test_matches_float64_reference_at_one_rank():
     with one_thread():
         failures = tp_failures(0, 1, None, 13)
     assert not failures, "\n".join(failures)
+
+
+def test_ignored_rows_are_dropped_per_head_and_the_results_stay_the_uncompacted_ones(monkeypatch):
+    # each head keeps as many rows as the head with the most valid ones, so chunks stay one head's
+    import vparallel_ce.mtp as mtp
+
+    kept = []
+
+    def spy(target, ignore_index, heads, rows):
+        kept.append((target.numel(), heads, rows))
+        return compacted_head_rows(target, ignore_index, heads, rows)
+
+    monkeypatch.setattr(mtp, "compacted_head_rows", spy)
+    case = make_case(5, depths=2, seq=40, ignore_frac=0.5)
+    outs = {}
+    for compact in (True, False):
+        hs = [h.clone().requires_grad_() for h in case[0]]
+        w = case[1].clone().requires_grad_()
+        out = vparallel_ce.linear_mtp_loss(hs, w, case[3], case[2], positions=case[4],
+                                           policy=vparallel_ce.ChunkPolicy(compact=compact))
+        out.loss.backward()
+        outs[compact] = [out.loss, out.head_losses, out.acceptance, w.grad, *(h.grad for h in hs)]
+    valid = [int((t != -100).sum()) for t in mtp_labels(case[3], 2, positions=case[4])]
+    assert kept == [(3 * 80, 3, -(-max(valid) // 8) * 8)], (kept, valid)
+    for a, b in zip(outs[True], outs[False]):
+        assert torch.equal(a, b)
 
 
 def test_matches_float64_reference_at_tp_2_3_4_with_uneven_and_empty_shards_and_sequence_parallelism():

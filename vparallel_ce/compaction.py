@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Compaction", "compacted_rows"]
+__all__ = ["Compaction", "compacted_rows", "compacted_head_rows"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,16 @@ def compacted_rows(target: torch.Tensor, ignore_index: int, kept: int) -> torch.
     target's device; no host sync)."""
     order = torch.argsort((target == ignore_index).to(torch.uint8), stable=True)
     return order[:kept]
+
+
+def compacted_head_rows(target: torch.Tensor, ignore_index: int, heads: int, kept: int) -> torch.Tensor:
+    """:func:`compacted_rows` of each of ``heads`` equal parts of ``target`` (a multi-token
+    prediction's stacked heads), ``kept`` rows of each: head ``d``'s valid rows in order, then its
+    ignored ones, at ``d * kept ..``, so the heads keep equal parts (int64, on the device)."""
+    per_head = target.numel() // heads
+    ignored = (target.reshape(heads, per_head) == ignore_index).to(torch.uint8)
+    order = torch.argsort(ignored, dim=1, stable=True)[:, :kept]
+    return (order + torch.arange(heads, device=target.device)[:, None] * per_head).reshape(-1)
 
 
 def valid_count(target: torch.Tensor, ignore_index: int) -> int:

@@ -24,15 +24,17 @@ from the logits the walk makes anyway (one more all-gather of ``2`` float64 per 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from . import comm, compiled, top1
+from . import comm, compiled, kernels, top1
 from .autocast import autocast_off
 from .call import Call, linear_call, settles_check
 from .chunk_walk import Grads, KeptLogits, Schedule, scale_valid_unit_grads
+from .compaction import Compaction, compacted_head_rows
 from .gemm import logits, matmul_inputs
 from .labels import mtp_labels
 from .linear import ChunkSaved
@@ -154,6 +156,9 @@ def _linear_mtp_loss(hiddens, weight, labels, bias, mtp_scale, positions, group,
     heads_of = torch.arange(n_heads, device=inp.target.device).repeat_interleave(per_head)
     own = torch.zeros(n_heads, dtype=torch.int64, device=inp.target.device)
     own.index_add_(0, heads_of, (inp.target != ignore_index).to(torch.int64))
+    if problem is None:
+        call, inp, per_head = _compacted(call, inp, own, n_heads, per_head, options)
+        heads_of = torch.arange(n_heads, device=inp.target.device).repeat_interleave(per_head)
     if call.sequence_parallel:  # every rank's tokens count
         comm.all_reduce_sum_(own, call.layout.group)
     # the weights c_d / n_d formed in float64 (counts exact to 2^53), rounded once in the op
@@ -231,6 +236,27 @@ def _mtp_problem(problem: Problem | None, reduction: str) -> Problem | None:
     if problem is None and reduction not in ("mean", "sum"):
         return Problem(ValueError, f"linear_mtp_loss: reduction must be 'mean' or 'sum', got {reduction!r}")
     return problem
+
+
+def _compacted(call: Call, inp, own: torch.Tensor, n_heads: int, per_head: int, o: Options):
+    """``(call, inputs, rows per head)`` over each head's valid rows (ignored-token compaction,
+    :mod:`vparallel_ce.compaction`), where the policy compacts; as they are otherwise. Every head
+    keeps as many rows as the head with the most valid ones (rounded up as the policy rounds), so
+    the heads stay equal parts of the stacked rows and a token chunk stays one head's rows. The
+    per-head counts are read on the host (a sync, where :meth:`ChunkPolicy.reads_valid_count`
+    accepts one); the targets are replicated or the group's own, so every rank keeps the same
+    rows. Not with sequence parallelism, where each rank's counts differ."""
+    policy = o.policy or ChunkPolicy()
+    total = inp.target.numel()
+    if (call.sequence_parallel or call.replan is None or kernels.is_fake(inp.target)
+            or not policy.reads_valid_count(total, inp.w.shape[-1], call.layout.local_size)):
+        return call, inp, per_head
+    kept = policy.kept_rows((per_head,), (int(own.max()),))
+    if kept is None:
+        return call, inp, per_head
+    rows = Compaction(compacted_head_rows(inp.target, o.ignore_index, n_heads, kept[0]), total)
+    return (call.with_rows((kept[0] * n_heads,)),
+            replace(inp, h=rows.take(inp.h), target=rows.take(inp.target), compaction=rows), kept[0])
 
 
 def _one_pass_head(call: Call, sched: Schedule, b, rows, c: int, per_head: int) -> int | None:
