@@ -9,9 +9,9 @@
 #   launch/cluster/torchtitan_gpu.sh OUTDIR [STEPS] [LAYERS] [SECONDS_PER_RUN]
 #
 # Needs torchtitan 0.3.0 and vparallel_ce importable; writes OUTDIR/<loss>.log and OUTDIR/results.jsonl.
-# Where torch lacks torch.distributed.fsdp.DataParallelMeshDims (torch < 2.12: 2.11 on the GPU
-# image), the runs apply launch/cluster/torch211_compat.py, which stands in for it in a one-GPU
-# run; TORCH211_COMPAT=1/0 forces it on/off.
+# Where torch lacks torch.distributed.fsdp.DataParallelMeshDims (torch < 2.12, e.g. 2.11), the runs
+# apply launch/cluster/torch211_compat.py: stand-ins, for a one-GPU run, for it and for
+# create_block_mask's separate_full_blocks; TORCH211_COMPAT=1/0 forces it on/off.
 # Every run passes --training.disable_cuda_graphs (all three eager, so their memory and speed
 # compare like for like); CUDA_GRAPHS=1 keeps torchtitan 0.3's default capture instead.
 # Other settings: LOSSES (default "chunked plain fused"; the first is the summary's reference),
