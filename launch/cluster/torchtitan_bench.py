@@ -16,8 +16,8 @@ Train: parses the torchtitan arguments with torchtitan's ``ConfigManager``, keep
 
 torchtitan 0.3.0 calls ``torch.distributed.set_timeout`` after the first step, which torch 2.13
 and older lack; this script gives it one (the process groups' own ``set_timeout``). With
-``--torch211-compat`` it first applies torch211_compat.py (beside it): the torch >= 2.12 name that
-torchtitan 0.3.0 imports, stood in for on an older torch, for a one-GPU run only.
+``--torch211-compat`` it first applies torch211_compat.py (beside it): what torchtitan 0.3.0 takes
+from torch >= 2.12, stood in for on an older torch, for a one-GPU run only.
 
 Summarize: reads torchtitan's log lines (``step: N  loss: X  grad_norm: G  memory: M GiB(P%)  tps: T``)
 and prints one JSON line per run: step-1 loss, the max abs loss gap to the first run over their
@@ -110,7 +110,8 @@ def train(args: list[str], *, layers: int | None, loss: str, torch211_compat: bo
     if layers is not None:
         config.model_spec.model.layers = config.model_spec.model.layers[:layers]
     with_loss(config, loss)
-    logger.info(f"torchtitan_bench: {len(config.model_spec.model.layers)} layers, loss {type(config.loss).__qualname__}")
+    logger.info(f"torchtitan_bench: {len(config.model_spec.model.layers)} layers, "
+                f"loss {type(config.loss).__qualname__}")
     trainer = config.build()
     try:
         trainer.train()
