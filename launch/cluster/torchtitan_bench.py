@@ -15,7 +15,9 @@ Train: parses the torchtitan arguments with torchtitan's ``ConfigManager``, keep
 * ``fused``: vparallel_ce's ``VParallelLinearCrossEntropyLoss`` (lm_head fused, chunks="auto").
 
 torchtitan 0.3.0 calls ``torch.distributed.set_timeout`` after the first step, which torch 2.13
-and older lack; this script gives it one (the process groups' own ``set_timeout``).
+and older lack; this script gives it one (the process groups' own ``set_timeout``). With
+``--torch211-compat`` it first applies torch211_compat.py (beside it): what torchtitan 0.3.0 takes
+from torch >= 2.12, stood in for on an older torch, for a one-GPU run only.
 
 Summarize: reads torchtitan's log lines (``step: N  loss: X  grad_norm: G  memory: M GiB(P%)  tps: T``)
 and prints one JSON line per run: step-1 loss, the max abs loss gap to the first run over their
@@ -88,18 +90,28 @@ def with_set_timeout() -> None:
         dist.set_timeout = set_timeout
 
 
-def train(args: list[str], *, layers: int | None, loss: str) -> None:
+def train(args: list[str], *, layers: int | None, loss: str, torch211_compat: bool = False) -> None:
     import torch
+
+    stood_in = []
+    if torch211_compat:
+        import torch211_compat as compat  # beside this script, on sys.path[0]
+
+        stood_in = compat.apply()
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger, logger
 
     with_set_timeout()
     init_logger()
+    if torch211_compat:
+        logger.info(f"torchtitan_bench: torch {torch.__version__}, stand-ins for torch >= 2.12: "
+                    f"{', '.join(stood_in) or 'none needed'}")
     config = ConfigManager().parse_args(args)
     if layers is not None:
         config.model_spec.model.layers = config.model_spec.model.layers[:layers]
     with_loss(config, loss)
-    logger.info(f"torchtitan_bench: {len(config.model_spec.model.layers)} layers, loss {type(config.loss).__name__}")
+    logger.info(f"torchtitan_bench: {len(config.model_spec.model.layers)} layers, "
+                f"loss {type(config.loss).__qualname__}")
     trainer = config.build()
     try:
         trainer.train()
@@ -115,6 +127,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--loss", choices=LOSSES, default="fused")
+    p.add_argument("--torch211-compat", action="store_true",
+                   help="apply torch211_compat.py first (torch < 2.12, one GPU)")
     p.add_argument("--summarize", nargs="+", metavar="NAME=LOG")
     a = p.parse_args(own)
     if a.summarize:
@@ -126,7 +140,7 @@ def main() -> None:
         for row in summarize(runs):
             print(json.dumps(row))
         return
-    train(rest, layers=a.layers, loss=a.loss)
+    train(rest, layers=a.layers, loss=a.loss, torch211_compat=a.torch211_compat)
 
 
 if __name__ == "__main__":
