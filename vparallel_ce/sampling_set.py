@@ -274,10 +274,15 @@ class LinearSetLogprobs(torch.autograd.Function):
         h_all = [rows.gather(c, hm) for c in range(len(rows))] if call.sequence_parallel else None
         hcs = {c: h_all[c] if h_all else rows.gather(c, hm) for c, sr in enumerate(srs)
                if not call.batch_invariant and gathers(sr.cols.shape[1], wm.shape[0])}
-        set_xs = [None] * len(srs)
+        set_xs, kept_cols, by_row = [None] * len(srs), [None] * len(srs), None
         if hcs:
-            xs = call.ops(wm).gathered.logits([(_kept_cols(srs[c]), h_c) for c, h_c in hcs.items()], wm, bm,
-                                              call.logits_dtype or hm.dtype)
+            gathered = call.ops(wm).gathered
+            for c in hcs:
+                kept_cols[c] = _kept_cols(srs[c])
+            # the pairs sorted by weight row once, for the logits here and dW in backward
+            by_row = gathered.pairs([kept_cols[c] for c in hcs], wm)
+            xs = gathered.logits([(kept_cols[c], h_c) for c, h_c in hcs.items()], wm, bm,
+                                 call.logits_dtype or hm.dtype, by_row=by_row)
             for c, x in zip(hcs, xs):
                 set_xs[c] = x
         outs, saved = [], []
@@ -292,6 +297,7 @@ class LinearSetLogprobs(torch.autograd.Function):
         ctx.save_for_backward(h, w, b, target, support)
         ctx.set_xs = set_xs  # each chunk's [c, K_loc] kept logits (None: batch invariant)
         ctx.gathered = [c in hcs for c in range(len(srs))]  # the chunks of the gather mode
+        ctx.kept_cols, ctx.by_row = kept_cols, by_row  # their local weight rows (-1: none), sorted pairs
         return _kept_for_backward(ctx, call, masks, rows, saved, outs)
 
     @staticmethod
@@ -340,7 +346,7 @@ class LinearSetLogprobs(torch.autograd.Function):
                 _shard_grads(d_set, h_c, wm, dw, db, add_dh, dh_c)
             else:
                 _linear_grads(sr, d_set, d_full, h_c, wm, gathered if ctx.gathered[c] else None, dw, db,
-                              parts, gemm_parts, dh_c)
+                              parts, gemm_parts, dh_c, ctx.kept_cols[c])
             dh_parts.append(dh_c)
         if gemm_parts:  # the GEMM mode's set columns of all its chunks, by vocab blocks
             direct = dw is None and need[1]
@@ -353,7 +359,7 @@ class LinearSetLogprobs(torch.autograd.Function):
         elif dh is not None:
             sum_dh_over_ranks(rows, dh)
         if parts or (need[1] and dw is None):  # the gather mode's dW (into the sum so far, if any) and db
-            dw = gathered.weight_grad(parts, w, w.dtype if need[1] else None, dw, db)
+            dw = gathered.weight_grad(parts, w, w.dtype if need[1] else None, dw, db, by_row=ctx.by_row)
         out = tuple(None if g is None else g.to(t.dtype) for g, t in ((dh, h), (dw, w), (db, b)))
         return out + (None,) * 5
 
@@ -385,12 +391,13 @@ def _linear_chunk(call: Call, sr: SetRows, h_c, w, b, set_x):
 
 
 def _linear_grads(sr: SetRows, d_set, d_full, h_c, w, gathered: GatheredRows | None, dw, db, parts: list,
-                  gemm_parts: list, dh_c):
+                  gemm_parts: list, dh_c, cols=None):
     """Add the chunk's ``dW``/``db`` (fp32 sums) and ``dh`` rows (into ``dh_c``, fp32, or None): the
     set's columns through ``gathered`` (the gather mode: ``dh`` here, ``(d, cols, h)`` appended to
     ``parts`` for one ``dW`` of all the chunks) or, the GEMM mode, ``(d, cols, h, dh_c)`` appended
-    to ``gemm_parts`` for :func:`~vparallel_ce.set_gemm.gemm_set_grads`; the whole-vocab rows through the GEMM."""
-    cols = _kept_cols(sr)
+    to ``gemm_parts`` for :func:`~vparallel_ce.set_gemm.gemm_set_grads`; the whole-vocab rows through the GEMM.
+    ``cols``: the chunk's :func:`_kept_cols`, if the forward kept them."""
+    cols = _kept_cols(sr) if cols is None else cols
     if gathered is not None:
         if dh_c is not None:
             dh_c += gathered.hidden_grad(d_set, cols, w)

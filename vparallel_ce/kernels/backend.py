@@ -45,12 +45,15 @@ class GatheredRows:
     rows per token (``-1``: none): ``logits(parts, w, b, out_dtype) -> [x [c, K]]`` of the chunks
     ``(cols, h)``, all at once; ``hidden_grad(d, cols, w) -> dh [c, H]`` of one chunk (fp32 for fp32
     ``d``); ``weight_grad(parts, w, out_dtype, base, db) -> dW`` of the chunks ``(d, cols, h)``,
-    all at once, its fp32 sums rounded once (``db`` added to)."""
+    all at once, its fp32 sums rounded once (``db`` added to). ``pairs(cols_list, w)``: what
+    ``logits`` and ``weight_grad`` both make of the chunks' ``cols`` (the kernels' sort of the
+    pairs by weight row; None: nothing), made once per call and passed to both as ``by_row=``."""
 
     name: str
     logits: Callable
     hidden_grad: Callable
     weight_grad: Callable
+    pairs: Callable = lambda cols, w: None
 
 
 TORCH_GATHERED = GatheredRows("torch", gathered_rows.logits, gathered_rows.hidden_grad,
