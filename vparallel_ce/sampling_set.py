@@ -199,9 +199,9 @@ class SetLogprobs(torch.autograd.Function):
     def forward(ctx, x, target, support, call: Call, masks: SamplingMasks, chunks: int):
         rows = Rows(call, chunks)
         outs, saved = [], []
-        for c in range(len(rows)):
+        srs = SetRows.of_chunks(support, target, rows.height, call)  # (the chunks: consecutive slices)
+        for c, sr in enumerate(srs):
             sl = rows.local[c]
-            sr = SetRows.of(support[sl], target[sl], call)
             ch = _logits_chunk(call, sr, x[sl])
             logp, ent, kept = chunk_outputs(ch, sr, call, masks)
             outs.append((logp, ent))
@@ -241,7 +241,7 @@ def _logits_chunk(call: Call, sr: SetRows, x_c: torch.Tensor) -> SetChunk:
     and that mode's row steps."""
     if call.batch_invariant:
         return SetChunk(sr.over_shard(x_c.shape[1]), x_c, None, call.ops(x_c))
-    return SetChunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None)
+    return SetChunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None, call.ops(x_c))
 
 
 def _kept_for_backward(ctx, call: Call, masks: SamplingMasks, rows: Rows, saved: list, outs: list):
@@ -265,8 +265,7 @@ class LinearSetLogprobs(torch.autograd.Function):
         rows = Rows(call, chunks)
         # every chunk's rows of the set first, with one host read of their widths: it waits for these
         # small steps alone, not for the chunks' kernels
-        srs = SetRows.of_chunks([(rows.gather(c, support, fill=-1), rows.gather(c, target, fill=call.spec.ignore_index))
-                                 for c in range(len(rows))], call)
+        srs = SetRows.of_chunks(*_call_rows(rows, support, target, call), call)
         # the gather mode's logits of all its chunks in one pass over the weight (GatheredRows.logits),
         # kept for the backward (no second gather). With sequence parallelism every chunk's rows are
         # gathered first, in chunk order on every rank (a rank's modes depend on its shard's K_loc:
@@ -364,6 +363,17 @@ class LinearSetLogprobs(torch.autograd.Function):
         return out + (None,) * 5
 
 
+def _call_rows(rows: Rows, support: torch.Tensor, target: torch.Tensor, call: Call):
+    """``(ids, target, heights)``: every chunk's rows of the set and the targets, stacked in chunk
+    order (replicated hidden: the tensors themselves, the chunks being consecutive slices; sequence
+    parallel: each chunk's rows gathered over the group), and each chunk's row count."""
+    if not call.sequence_parallel:
+        return support, target, rows.height
+    parts = [(rows.gather(c, support, fill=-1), rows.gather(c, target, fill=call.spec.ignore_index))
+             for c in range(len(rows))]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), [p[1].shape[0] for p in parts]
+
+
 def gathers(k_loc: int, width: int) -> bool:
     """The mode rule: the gather mode for a chunk whose rows keep at most ``k_loc`` ids of this
     ``width``-column shard where ``GATHER_RATIO * k_loc <= width`` (module docstring)."""
@@ -385,9 +395,9 @@ def _linear_chunk(call: Call, sr: SetRows, h_c, w, b, set_x):
         return SetChunk(sr.over_shard(width), x_c, None, call.ops(x_c))
     if set_x is not None:
         full_x = lm_logits(call, h_c[sr.full], w, b) if sr.full.numel() else None
-        return SetChunk(sr, set_x, full_x)
+        return SetChunk(sr, set_x, full_x, call.ops(set_x))
     x_c = lm_logits(call, h_c, w, b)
-    return SetChunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None)
+    return SetChunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None, call.ops(x_c))
 
 
 def _linear_grads(sr: SetRows, d_set, d_full, h_c, w, gathered: GatheredRows | None, dw, db, parts: list,
