@@ -79,6 +79,51 @@ _KERNEL_CHECKS = textwrap.dedent(
         ref.weight_grad(parts, w, None, None, db_ref)
         close(db, db_ref, f"{name} db alone")
         ran += 1
+    # chunks of different widths: the pairs padded to the widest (logits and dW alike)
+    h, w = torch.randn(7, 24, generator=g).to(dev), torch.randn(30, 24, generator=g).to(dev)
+    parts = [(torch.randint(-1, 30, (4, 5), generator=g).to(dev), h[:4]),
+             (torch.randint(-1, 30, (3, 2), generator=g).to(dev), h[4:])]  # (consecutive rows of one h: a view)
+    for x, x_ref, (cols, _) in zip(tk.logits(parts, w, None, torch.float32), ref.logits(parts, w, None, torch.float32),
+                                   parts):
+        close(x[cols >= 0], x_ref[cols >= 0], "widths 5 and 2: logits")
+    dparts = [(torch.randn(cols.shape, generator=g).to(dev), cols, hc) for cols, hc in parts]
+    close(tk.weight_grad(dparts, w, torch.float32), ref.weight_grad(dparts, w, torch.float32), "widths 5 and 2: dW")
+    ran += 1
+
+    # the set's rows mapped to a shard for all chunks at once, and its values check: the kernels
+    # against the torch steps, K past one block of ids (130), chunks of uneven and no rows, shards
+    # at the start, middle and end and an empty one; ignored rows, whole-vocabulary rows, repeats
+    from types import SimpleNamespace
+    from vparallel_ce import sampling_set, set_chunk
+    from vparallel_ce.kernels import set_rows as sk
+    for n, k in ((9, 3), (6, 130), (4, 0)):
+        ids = torch.randint(-1, 40, (n, k), generator=g)
+        t = torch.randint(0, 40, (n,), generator=g)
+        if k:
+            ids[0] = -1                      # the whole vocabulary
+            ids[1, 0] = t[1]                 # the target in its row
+            ids[2, -1] = ids[2, 0]           # a repeat
+            ids[3, 1] = 45                   # out of range
+        t[min(4, n - 1)] = -100              # ignored
+        for heights in ([n], [2, 0, n - 2]):
+            for offset, local in ((0, 10), (10, 20), (30, 10), (40, 0)):
+                call = SimpleNamespace(layout=SimpleNamespace(offset=offset, local_size=local),
+                                       spec=SimpleNamespace(ignore_index=-100))
+                got = sk.set_rows(ids.to(dev), t.to(dev), heights, offset, local, -100)
+                want = set_chunk._rows_torch(ids.to(dev), t.to(dev), heights, call)
+                assert got[4] == want[4], (n, k, heights, offset, got[4], want[4])
+                w_k = want[0].shape[1]
+                name = f"set rows n={n} K={k} heights={heights} shard={offset}+{local}"
+                for a, b, what in ((got[0][:, :w_k], want[0], "cols"), (got[1][:, :w_k], want[1], "kept"),
+                                   (got[2], want[2], "tpos"), *zip(got[3], want[3], ("t_owned", "valid", "in_set",
+                                                                                    "full"))):
+                    assert torch.equal(a.cpu(), b.cpu().to(a.dtype)), (name, what, a, b)
+                assert not got[1][:, w_k:].any(), name
+        for vocab in (40, 46):               # 45 out of range, then in
+            for tt in (t, torch.where(torch.arange(n) == 2, -100, t)):  # the repeat's row ignored
+                got = sk.bad_rows(ids.to(dev), tt.to(dev), -100, vocab)
+                assert got == sampling_set._bad_rows(ids.to(dev), tt.to(dev), -100, vocab), (n, k, vocab, got)
+        ran += 1
     assert tk.GATHERED.name == "triton"
     print("GATHERED_ROWS_OK", ran)
     """

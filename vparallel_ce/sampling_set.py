@@ -74,7 +74,7 @@ import torch
 from .call import Call
 from .chunk_walk import Rows, invariant_dh, sum_dh_over_ranks
 from .gemm import logits as lm_logits, matmul_inputs, mm_as, mm_into
-from .kernels import TORCH_GATHERED, GatheredRows
+from .kernels import TORCH_GATHERED, GatheredRows, support_bad_rows
 from .sampling_masks import SamplingMasks
 from .second_order import first_order_only
 from .set_chunk import SetChunk, SetRows, chunk_outputs, set_grad_coefs
@@ -131,33 +131,42 @@ def check_support_values(support: torch.Tensor, target: torch.Tensor, call: Call
     called once the ranks agree on the set (the exchange compared its checksums), so every rank
     raises the same error -- with sequence parallelism (each rank its own rows) after one more
     exchange of the ranks' verdicts."""
-    problem = _support_problem(support, target, call.spec.ignore_index, call.layout.vocab_size)
+    problem = _support_problem(support, target, call.spec.ignore_index, call.layout.vocab_size, call.kernels)
     raise_values_problem(problem, call.layout.group if call.sequence_parallel else None, support.device)
 
 
-def _support_problem(ids: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_size: int) -> str | None:
+def _support_problem(ids: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_size: int,
+                     current=None) -> str | None:
     if ids.numel() == 0:
         return None
-    valid = target != ignore_index
-    keep = valid.unsqueeze(-1)
-    out = ~((ids >= -1) & (ids < vocab_size)) & keep
-    ordered = ids.sort(dim=-1).values
-    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0) & keep
-    full = (ids < 0).all(-1)
-    missing = valid & ~full & ~(ids == target.unsqueeze(-1)).any(-1)
-    flags = torch.stack([out.any(), repeated.any(), missing.any()]).tolist()
-    if flags[0]:
-        row = out.any(-1).nonzero()[0, 0].item()
-        return (f"support holds an id outside [0, {vocab_size}) (or -1 padding) on token {row}: "
-                f"{ids[row][out[row]][0].item()}")
-    if flags[1]:
-        row = repeated.any(-1).nonzero()[0, 0].item()
-        return f"support repeats an id within token {row}'s row: {ids[row].tolist()[:16]}: a set's ids must be distinct"
-    if flags[2]:
-        row = missing.nonzero()[0, 0].item()
+    first = support_bad_rows(ids, target, ignore_index, vocab_size, current) or _bad_rows(ids, target, ignore_index,
+                                                                                          vocab_size)
+    if first[0] is not None:
+        row = ids[first[0]]
+        return (f"support holds an id outside [0, {vocab_size}) (or -1 padding) on token {first[0]}: "
+                f"{row[(row < -1) | (row >= vocab_size)][0].item()}")
+    if first[1] is not None:
+        return (f"support repeats an id within token {first[1]}'s row: {ids[first[1]].tolist()[:16]}: a set's ids "
+                "must be distinct")
+    if first[2] is not None:
+        row = first[2]
         return (f"token {row}'s target {target[row].item()} is not in its support row {ids[row].tolist()[:16]}: a "
                 "token sampled from the set is one of its ids (pass check=False to get logp = -inf for it)")
     return None
+
+
+def _bad_rows(ids: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_size: int) -> list[int | None]:
+    """The torch steps of :func:`vparallel_ce.kernels.support_bad_rows`: the first valid row with an
+    id outside ``[-1, V)``, with an id twice, with its target missing (its row not all ``-1``)."""
+    valid = target != ignore_index
+    out = (~((ids >= -1) & (ids < vocab_size))).any(-1)
+    ordered = ids.sort(dim=-1).values
+    repeated = ((ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)).any(-1)
+    missing = ~(ids < 0).all(-1) & ~(ids == target.unsqueeze(-1)).any(-1)
+    bad = torch.stack([out, repeated, missing]) & valid
+    if not bad.any().item():
+        return [None] * 3
+    return [int(r[0]) if r.numel() else None for r in (b.nonzero()[:, 0] for b in bad)]
 
 
 def set_chunks(call: Call, k: int, hidden_size: int, chunks, *, gathered: GatheredRows | None = None) -> int:
@@ -329,7 +338,7 @@ class LinearSetLogprobs(torch.autograd.Function):
         add_dh = invariant_dh(call, w) if call.batch_invariant else None
         for c, (sr, tau, m, log_s, ent) in enumerate(ctx.saved):
             h_c = rows.gather(c, hm)
-            ch = _linear_chunk(call, sr, h_c, wm, bm, ctx.set_xs[c])
+            ch = _linear_chunk(call, sr, h_c, wm, bm, ctx.set_xs[c], masked=True)
             ch.masked(call, ctx.masks, tau)
             g_lp = None if g_logp is None else rows.gather(c, g_logp.reshape(-1))
             g_h = None if g_entropy is None else rows.gather(c, g_entropy.reshape(-1))
@@ -382,20 +391,21 @@ def gathers(k_loc: int, width: int) -> bool:
 
 def _kept_cols(sr: SetRows) -> torch.Tensor:
     """The chunk's kept ids as local weight rows, ``-1`` where none (what :class:`GatheredRows` reads)."""
-    return sr.cols.masked_fill(~sr.kept, -1)
+    return sr.cols.where(sr.kept, -1)
 
 
-def _linear_chunk(call: Call, sr: SetRows, h_c, w, b, set_x):
-    """The chunk's :class:`~vparallel_ce.set_chunk.SetChunk`: in the gather mode (``set_x``, its
-    kept ids' logits ``[c, K_loc]``, not None) those and the whole-vocab rows' GEMM, else the
-    shard's GEMM and a gather of its columns (or, batch-invariant, the GEMM masked to the set)."""
+def _linear_chunk(call: Call, sr: SetRows, h_c, w, b, set_x, *, masked: bool = False):
+    """The chunk's :class:`~vparallel_ce.set_chunk.SetChunk`: with ``set_x``, its kept ids'
+    logits ``[c, K_loc]`` (the gather mode's; ``masked``: the forward's chunk's, -inf off the set,
+    kept for the backward), those and the whole-vocab rows' GEMM, else the shard's GEMM and a
+    gather of its columns (or, batch-invariant, the GEMM masked to the set)."""
     width = w.shape[0]
     if call.batch_invariant:  # the shard's GEMM, masked to the set (the gather's widths vary with the chunk)
         x_c = lm_logits(call, h_c, w, b)
         return SetChunk(sr.over_shard(width), x_c, None, call.ops(x_c))
     if set_x is not None:
         full_x = lm_logits(call, h_c[sr.full], w, b) if sr.full.numel() else None
-        return SetChunk(sr, set_x, full_x, call.ops(set_x))
+        return SetChunk(sr, set_x, full_x, call.ops(set_x), masked=masked)
     x_c = lm_logits(call, h_c, w, b)
     return SetChunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None, call.ops(x_c))
 

@@ -116,9 +116,11 @@ class SetChunk:
     """A chunk's set logits ``[c, K_loc]`` (``-inf`` off the kept ids) and whole-vocab rows'
     logits ``[f, V_loc]`` (``-inf`` below their mask's threshold), in the logits' dtype."""
 
-    def __init__(self, rows: SetRows, set_x: torch.Tensor, full_x: torch.Tensor | None, ops=None):
+    def __init__(self, rows: SetRows, set_x: torch.Tensor, full_x: torch.Tensor | None, ops=None, *,
+                 masked: bool = False):
         self.rows = rows
-        self.set_x = set_x.masked_fill(~rows.kept, float("-inf"))
+        # (masked: ``set_x`` is already -inf off the kept ids, as a forward's kept for its backward)
+        self.set_x = set_x if masked else set_x.where(rows.kept, float("-inf"))
         self.full_x = full_x
         # the row steps of the call's backend (one launch each with the kernels), or the batch-invariant
         # mode's (over whole shard rows); None: the torch reference
@@ -156,10 +158,9 @@ class SetChunk:
 
 
 def _outputs(st, rows: SetRows):
-    zero = torch.zeros_like(st.lse)
-    logp = torch.where(rows.in_set, (st.target - st.max) - st.log_s, zero)
-    logp = torch.where(rows.valid & ~rows.in_set, float("-inf"), logp)
-    entropy = torch.where(rows.valid, st.entropy, zero) if st.entropy is not None else zero
+    # in its set: z_t - m - log S; a valid token whose target is not: -inf; an ignored token: 0
+    logp = torch.where(rows.in_set, (st.target - st.max) - st.log_s, torch.where(rows.valid, float("-inf"), 0.0))
+    entropy = torch.where(rows.valid, st.entropy, 0.0) if st.entropy is not None else torch.zeros_like(st.lse)
     return logp, entropy
 
 

@@ -30,7 +30,7 @@ from .config import _INTERPRETING  # a constant read at import, tested on every 
 
 __all__ = ["KernelChoice", "KernelSettings", "settings", "use", "KernelBackend", "FusedLinear", "RowGemm",
            "GatheredRows", "TORCH_GATHERED", "ops_for",
-           "invariant_ops", "fused_applies", "triton_applies", "target_facts", "word_checksum", "set_rows_on_shard",
+           "invariant_ops", "fused_applies", "triton_applies", "target_facts", "word_checksum", "set_rows_on_shard", "support_bad_rows",
            "TORCH_OPS", "is_fake"]
 
 
@@ -200,3 +200,16 @@ def set_rows_on_shard(ids, target, heights, offset: int, local_size: int, ignore
         return None
     module = _set_rows_module()
     return None if module is None else module.set_rows(ids, target, heights, offset, local_size, ignore_index)
+
+
+def support_bad_rows(ids, target, ignore_index: int, vocab_size: int, current: KernelSettings | None = None):
+    """The Triton version of the sampling set's values check (:func:`.set_rows.bad_rows`: the first
+    bad row of each kind, one launch after a row sort) for int64 CUDA ids, or None where it does
+    not apply: the caller then runs the torch steps. ``current``: as in :func:`ops_for`."""
+    current = current or settings()
+    if current.choice is KernelChoice.TORCH or ids.dtype != torch.int64 or ids.dim() != 2:
+        return None
+    if not (ids.is_cuda or _INTERPRETING) or is_fake(ids):
+        return None
+    module = _set_rows_module()
+    return None if module is None else module.bad_rows(ids, target, ignore_index, vocab_size)

@@ -1,5 +1,12 @@
-r"""The sampling set's rows mapped to this shard (:class:`vparallel_ce.set_chunk.SetRows`), for all
-of a call's token chunks in one launch. Per token ``n`` with ids ``ids[n, :]`` (``-1`` padding) and
+r"""The sampling set's rows, checked and mapped to this shard, one launch each.
+
+:func:`bad_rows` -- the front door's check of the set's values (:func:`vparallel_ce.sampling_set.check_support_values`):
+per valid token, an id outside ``[-1, V)``, an id twice in its row (its row sorted first: equal
+neighbours), a target not among its row's ids (unless the row is all ``-1``); the first such row of
+each kind (integer atomics), read by the host at once.
+
+:func:`set_rows` -- the rows of :class:`vparallel_ce.set_chunk.SetRows` for all of a call's token
+chunks. Per token ``n`` with ids ``ids[n, :]`` (``-1`` padding) and
 target ``t``: ``valid = t != ignore_index``; the ids this shard owns (``0 <= id - offset <
 local_size``, valid rows) moved to the front of the row in their order, as local columns --
 ``cols[n, j]`` the ``j``-th owned id's column for ``j < count[n]``, 0 after, ``kept[n, j] = j <
@@ -8,8 +15,9 @@ count[n]``; ``tpos``/``t_owned`` the target's first position among them and whet
 among its ids (any shard's) or that is full. Per chunk of ``heights`` rows: the most owned ids of a
 row and its full rows' count (integer atomics: the same on every run), what the host reads once.
 
-The torch steps of :meth:`vparallel_ce.set_chunk.SetRows.of_chunks` are the reference (about forty
-small launches for what this does in one).
+The torch steps of :meth:`vparallel_ce.set_chunk.SetRows.of_chunks` and
+:func:`vparallel_ce.sampling_set.check_support_values` are the reference (about forty and twenty
+small launches for what these do in one each).
 """
 
 from __future__ import annotations
@@ -18,7 +26,52 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["set_rows"]
+__all__ = ["set_rows", "bad_rows"]
+
+
+@triton.jit(do_not_specialize=["N", "K", "V", "ignore_index"])
+def _bad_rows_kernel(IDS, ORDERED, TARGET, FIRST, N, K, V, ignore_index, s_ids, s_ord, BN: tl.constexpr,
+                     BK: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    nin = n < N
+    t = tl.load(TARGET + n, mask=nin, other=ignore_index).to(tl.int64)
+    valid = nin & (t != ignore_index)
+    out = tl.zeros((BN,), dtype=tl.int32)
+    twice = tl.zeros((BN,), dtype=tl.int32)
+    real = tl.zeros((BN,), dtype=tl.int32)
+    hit = tl.zeros((BN,), dtype=tl.int32)
+    kk = tl.arange(0, BK)
+    for k0 in range(0, K, BK):
+        ks = k0 + kk
+        m = valid[:, None] & (ks < K)[None, :]
+        ids = tl.load(IDS + n[:, None] * s_ids + ks[None, :], mask=m, other=-1)
+        o = tl.load(ORDERED + n[:, None] * s_ord + ks[None, :], mask=m, other=-1)
+        prev = tl.load(ORDERED + n[:, None] * s_ord + (ks - 1)[None, :], mask=m & (ks >= 1)[None, :], other=-1)
+        out = tl.maximum(out, tl.max(((ids < -1) | (ids >= V)).to(tl.int32), axis=1))
+        twice = tl.maximum(twice, tl.max(((o == prev) & (o >= 0)).to(tl.int32), axis=1))
+        real = tl.maximum(real, tl.max((ids >= 0).to(tl.int32), axis=1))
+        hit = tl.maximum(hit, tl.max((m & (ids == t[:, None])).to(tl.int32), axis=1))
+    missing = valid & (real > 0) & (hit == 0)
+    at = FIRST + tl.zeros((BN,), dtype=tl.int64)  # (a block of pointers: one slot for all the rows)
+    tl.atomic_min(at, tl.where(valid & (out > 0), n, N), mask=nin)
+    tl.atomic_min(at + 1, tl.where(valid & (twice > 0), n, N), mask=nin)
+    tl.atomic_min(at + 2, tl.where(missing, n, N), mask=nin)
+
+
+def bad_rows(ids: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_size: int) -> list[int | None]:
+    """The first valid row of ``ids [n, K]`` int64 (``target [n]``) with an id outside ``[-1, V)``,
+    with an id twice, with its target missing (not all ``-1``): three row indices or None, read on
+    the host at once."""
+    n, k = ids.shape
+    ids = ids if ids.stride(-1) == 1 else ids.contiguous()
+    ordered = ids.sort(dim=-1).values
+    first = torch.tensor([n] * 3, dtype=torch.int64, device=ids.device)
+    if n and k:
+        bk = max(16, min(128, triton.next_power_of_2(k)))
+        bn = max(1, 2048 // bk)
+        _bad_rows_kernel[(triton.cdiv(n, bn),)](ids, ordered, target, first, n, k, vocab_size, ignore_index,
+                                                ids.stride(0), ordered.stride(0), BN=bn, BK=bk)
+    return [None if r == n else r for r in first.tolist()]
 
 
 @triton.jit(do_not_specialize=["N", "K", "offset", "local_size", "ignore_index"])
