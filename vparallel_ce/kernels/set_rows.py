@@ -65,7 +65,7 @@ def bad_rows(ids: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_s
     n, k = ids.shape
     ids = ids if ids.stride(-1) == 1 else ids.contiguous()
     ordered = ids.sort(dim=-1).values
-    first = torch.tensor([n] * 3, dtype=torch.int64, device=ids.device)
+    first = torch.full((3,), n, dtype=torch.int64, device=ids.device)
     if n and k:
         bk = max(16, min(128, triton.next_power_of_2(k)))
         bn = max(1, 2048 // bk)
@@ -134,8 +134,10 @@ def set_rows(ids: torch.Tensor, target: torch.Tensor, heights: list[int], offset
     starts = [0]
     for h in heights[:-1]:
         starts.append(starts[-1] + h)
-    # the chunks' first rows, then their [width, full rows] (atomics start from 0): one host copy
-    table = torch.tensor(starts + [0] * (2 * len(heights)), dtype=torch.int64, device=dev)
+    # the chunks' first rows, then their [width, full rows] (atomics start from 0): one chunk, a fill
+    # (no copy from the host); else one host copy
+    table = torch.zeros(3, dtype=torch.int64, device=dev) if len(heights) == 1 else \
+        torch.tensor(starts + [0] * (2 * len(heights)), dtype=torch.int64, device=dev)
     if n:
         bk = max(16, min(128, triton.next_power_of_2(max(k, 1))))
         bn = max(1, 2048 // bk)
