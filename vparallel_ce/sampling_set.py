@@ -29,11 +29,12 @@ checked after it, on every rank alike. The masks add their own exchanges (their 
 any row has in this shard, :func:`gathers` picks the mode: where ``GATHER_RATIO * K_loc <= V_loc``
 the gather mode takes each token's own weight rows (:class:`~vparallel_ce.kernels.GatheredRows` of
 the call's kernel backend: on a GPU the Triton kernels of :mod:`vparallel_ce.kernels.gathered_rows`,
-which never make the ``[c, K_loc, H]`` rows -- the logits of all the gather mode's chunks in one
-pass over the pairs sorted by weight row (a row read from memory once, by its first pairs), ``dh``
-per (token, block of ``H``), and ``dW`` once for all the chunks, after the last, over the rows
-that have pairs only, no atomics; nothing launched per vocabulary row; elsewhere the torch
-version, :mod:`vparallel_ce.gathered_rows`, a chunk at a time); else the GEMM mode: one GEMM over
+which never make the ``[c, K_loc, H]`` rows -- the pairs of all the gather mode's chunks sorted
+by weight row once, in forward, and kept for ``dW``; the logits of all those chunks in one pass
+over them (a row read from memory once, by its first pairs), ``dh`` per (token, block of ``H``),
+and ``dW`` once for all the chunks, after the last, one program per (weight row, block of ``H``)
+that writes the row (zeros where it has no pairs: no fill of its own), no atomics; elsewhere the
+torch version, :mod:`vparallel_ce.gathered_rows`, a chunk at a time); else the GEMM mode: one GEMM over
 the shard (``O(c V_loc H)``) and a gather of its columns, kept for the backward, which then walks
 vocab blocks over all the GEMM mode's tokens at once (:func:`~vparallel_ce.set_gemm.gemm_set_grads`: the ``dh`` and
 ``dW`` GEMMs of the full op, ``dW`` written once per block; three GEMMs per logit in all).
@@ -52,8 +53,12 @@ sequence parallelism every chunk's gathered hidden rows (the group's ``[N, H]``)
 their fp32 partial ``dh`` until the GEMM mode's walk is done (a rank's modes are its own: the
 reduce-scatters all follow it, in chunk order, on every rank). Rows with the
 whole vocabulary (``-1`` rows, or the masks) take the GEMM. The rule reads two integers per chunk
-on the host, all of them at once before the first chunk's kernels; the GEMM mode's backward reads
-its vocab blocks' bounds in its sorted entries, once.
+on the host, all of them at once before the first chunk's kernels: every chunk's rows of the set
+are mapped to the shard in one pass over the call's rows (:meth:`~vparallel_ce.set_chunk.SetRows.of_chunks`,
+one launch with the kernels; each chunk's tensors are views of the call's), as the values check is
+one (:func:`check_support_values`), so the host's small steps do not grow with the set or the
+chunks; the set's row statistics and gradient are the call's backend's (one launch each per chunk
+with the kernels). The GEMM mode's backward reads its vocab blocks' bounds in its sorted entries, once.
 
 **Batch invariance** (``batch_invariant=True``, with ``support``): the gather mode's and the set
 matrix's widths follow the chunk's largest set, so a row's sums would too. This mode takes the

@@ -51,6 +51,9 @@ class SetRows:
         lay = call.layout
         made = kernels.set_rows_on_shard(ids, target, heights, lay.offset, lay.local_size, call.spec.ignore_index, call.kernels)
         cols, kept, tpos, (t_owned, valid, in_set, full_row), sizes = made or _rows_torch(ids, target, heights, call)
+        k_max = max((k for k, _ in sizes), default=0)
+        if 2 * k_max <= cols.shape[1]:  # (the kernel's rows are K wide: kept for the backward, keep K_loc)
+            cols, kept = cols[:, :k_max].contiguous(), kept[:, :k_max].contiguous()
         none = torch.empty((0,), dtype=torch.int64, device=ids.device)
         out, lo = [], 0
         for height, (k_loc, n_full) in zip(heights, sizes):

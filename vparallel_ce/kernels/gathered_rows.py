@@ -3,22 +3,27 @@ r"""The lm_head over each token's own weight rows (Triton): the gather mode of
 the logits of its ``K`` kept ids only. ``cols [c, K]`` holds, per token, the local weight rows of its
 kept ids and ``-1`` where none (padding, ids of other shards); a ``-1`` entry reads and adds nothing.
 
+The pairs of all the chunks are sorted by weight row once per call (:class:`Pairs`: a stable
+``torch.sort`` of their int32 rows, made in forward and kept for ``dW``), so both passes over them
+follow ``w``'s rows and need no index building beside it.
+
 * :func:`logits` -- ``x[n, k] = h[n] . w[cols[n, k]] (+ b[cols[n, k]])`` for all the chunks of a
-  call at once, over the pairs sorted by weight row (as for ``dW`` below): one program per block of
-  consecutive sorted pairs dots each pair's weight row with its hidden row, in fp32, rounded once
-  to the output dtype (the bias added in fp32 first). A weight row's run of pairs shares its blocks,
-  so the row is read from memory about once per call instead of once per pair (at ``K = 512`` of
-  ``V = 151936`` each row serves ~28 tokens); the grid follows the pairs, not ``V``;
+  call at once: one program per block of consecutive sorted pairs dots each pair's weight row with
+  its hidden row, in fp32, rounded once to the output dtype (the bias added in fp32 first). A
+  weight row's run of pairs shares its blocks, so the row is read from memory about once per call
+  instead of once per pair (at ``K = 512`` of ``V = 151936`` each row serves ~28 tokens); the grid
+  follows the pairs, not ``V``;
 * :func:`hidden_grad` -- ``dh[n] = sum_k d[n, k] w[cols[n, k]]`` in fp32: one program per (token,
-  block of ``H``) walks the token's ``K`` rows;
+  block of ``H``) walks the token's ``K`` rows a block of them at a time, all of a block's loads in
+  flight together;
 * :func:`weight_grad` -- ``dW[v] = sum_{(n, k): cols[n, k] = v} d[n, k] h[n]`` (and ``db[v] +=
-  sum d[n, k]``) over ALL the call's chunks at once, after the last: their ``(row, pair)`` list
-  sorted by row once (a stable ``torch.sort``) and cut into runs of one row (found by a cumulative
-  sum, no host read); programs stride over the runs (their count read on the device) and over the
-  blocks of ``H``, each run summed in fp32 in sorted order and its row written once, rounded once to
-  ``dW``'s dtype. Rows without pairs launch nothing: ``dW`` starts as one zero fill (or the base,
-  rounded once). No atomics, no fp32 ``[V, H]`` buffer read and written per chunk, the same bits on
-  every run.
+  sum d[n, k]``) over ALL the call's chunks at once, after the last: one program per (weight row,
+  block of ``H``), its pairs the sorted ones between its first and the next row's first (one
+  ``searchsorted`` of all the rows, no host read), summed in fp32 in sorted order, a block of hidden
+  rows in flight at a time, and the row written once, rounded once to ``dW``'s dtype. A row
+  without pairs is written too (0, or its base rounded once): ``dW`` takes no fill of its own, and
+  every program's work is one row, so they all run at once (no program walks several rows in turn).
+  No atomics, no fp32 ``[V, H]`` buffer read and written per chunk, the same bits on every run.
 
 None of them makes the ``[c, K, H]`` gathered rows: each gathered row is read once per pass and
 used at once; only :func:`hidden_grad` reads a weight row from memory once per pair. What they
@@ -53,7 +58,7 @@ _DW_BP, _DW_BH, _DW_WARPS = 4, 1024, 4  # at small K most weight rows have one p
 
 
 @triton.jit(do_not_specialize=["P"])
-def _logits_kernel(KEYS, ORDER, ROWS_S, H_, W_, B_, X_, P, HD, s_h, s_w,
+def _logits_kernel(KEYS, ORDER, H_, W_, B_, X_, P, K, HD, s_h, s_w,
                    HAS_BIAS: tl.constexpr, BP: tl.constexpr, BH: tl.constexpr):
     # BP consecutive pairs of the row-sorted list: a weight row's run of pairs is read from memory
     # once and from cache by its next pairs; a pad (row -1) stores 0
@@ -61,7 +66,8 @@ def _logits_kernel(KEYS, ORDER, ROWS_S, H_, W_, B_, X_, P, HD, s_h, s_w,
     pin = p < P
     v = tl.load(KEYS + p, mask=pin, other=-1).to(tl.int64)
     ok = v >= 0
-    n = tl.load(ROWS_S + p, mask=ok, other=0)
+    pair = tl.load(ORDER + p, mask=pin, other=0)  # its flat index in the [n, K] pairs: token pair // K
+    n = pair // K
     hs = tl.arange(0, BH)
     acc2 = tl.zeros((BP, BH), dtype=tl.float32)
     for h0 in range(0, HD, BH):
@@ -72,7 +78,6 @@ def _logits_kernel(KEYS, ORDER, ROWS_S, H_, W_, B_, X_, P, HD, s_h, s_w,
     x = tl.sum(acc2, axis=1)
     if HAS_BIAS:
         x += tl.load(B_ + v, mask=ok, other=0.0).to(tl.float32)
-    pair = tl.load(ORDER + p, mask=pin, other=0)
     tl.store(X_ + pair, x.to(X_.dtype.element_ty), mask=pin)
 
 
@@ -95,7 +100,7 @@ def _dh_kernel(D_, COLS, W_, DH, c, K, HD, s_d, s_c, s_w, s_dh, BK: tl.constexpr
 
 
 @triton.jit
-def _dw_kernel(STARTS, D_S, ROWS_S, H_, BASE, OUT, DB, HD, s_h, s_base, s_out, HAS_BASE: tl.constexpr,
+def _dw_kernel(STARTS, ORDER, D_, H_, BASE, OUT, DB, K, HD, s_h, s_base, s_out, HAS_BASE: tl.constexpr,
                HAS_DW: tl.constexpr, HAS_DB: tl.constexpr, BP: tl.constexpr, BH: tl.constexpr):
     # one (weight row, H tile) of dW: the row's pairs are sorted pairs STARTS[v] .. STARTS[v + 1],
     # summed in fp32 in sorted order, BP hidden rows in flight per step; the row written once,
@@ -110,10 +115,11 @@ def _dw_kernel(STARTS, D_S, ROWS_S, H_, BASE, OUT, DB, HD, s_h, s_base, s_out, H
     dsum = tl.zeros((BP,), dtype=tl.float32)
     for p0 in range(start, end, BP):
         pin = p0 + pp < end
-        d = tl.load(D_S + p0 + pp, mask=pin, other=0.0)
+        pair = tl.load(ORDER + p0 + pp, mask=pin, other=0)  # its flat index in the [n, K] pairs
+        d = tl.load(D_ + pair, mask=pin, other=0.0)
         dsum += d
         if HAS_DW:
-            n = tl.load(ROWS_S + p0 + pp, mask=pin, other=0).to(tl.int64)
+            n = pair // K
             hv = tl.load(H_ + n[:, None] * s_h + hs[None, :], mask=pin[:, None] & hin[None, :], other=0.0)
             acc += tl.sum(hv.to(tl.float32) * d[:, None], axis=0)  # (within a thread: BP is not split)
     if HAS_DW:
@@ -172,14 +178,13 @@ class Pairs:
     :func:`logits` and :func:`weight_grad`: the chunks' ``cols`` stacked as one ``[n, k]`` matrix
     (``k`` their widest; narrower rows padded with ``-1``), ``keys`` each sorted pair's weight row
     (``-1`` pads sort first), ``order`` its flat index in that matrix (sorted by row, stably) and
-    ``rows`` its row of the stacked hidden states. Four small steps: no host read, no per-chunk
-    index building."""
+    its token ``order // k`` (the row of the stacked hidden states). Two small steps (the sort and
+    an int32 copy of its keys): no host read, no per-chunk index building."""
 
     def __init__(self, cols: list[torch.Tensor]):
         self.k = max(c.shape[1] for c in cols)
         self.count = sum(c.shape[0] for c in cols) * self.k
         self.keys, self.order = torch.sort(_flat(cols, self.k, -1).to(torch.int32), stable=True)  # (radix: 4 bytes)
-        self.rows = self.order // max(self.k, 1)
 
 
 def pairs(cols: list[torch.Tensor], w: torch.Tensor) -> Pairs | None:
@@ -201,7 +206,7 @@ def logits(parts, w: torch.Tensor, b: torch.Tensor | None, out_dtype: torch.dtyp
     x = torch.empty(by_row.count, dtype=out_dtype, device=w.device)  # (every pair stored, a pad's as 0)
     if by_row.count:
         _logits_kernel[(triton.cdiv(by_row.count, _LOGITS_BP),)](
-            by_row.keys, by_row.order, by_row.rows, h, w, b if b is not None else w, x, by_row.count,
+            by_row.keys, by_row.order, h, w, b if b is not None else w, x, by_row.count, max(by_row.k, 1),
             w.shape[1], h.stride(0), w.stride(0), HAS_BIAS=b is not None, BP=_LOGITS_BP,
             BH=_LOGITS_BH, num_warps=_LOGITS_WARPS)
     if len(parts) == 1:
@@ -246,13 +251,13 @@ def weight_grad(parts, w: torch.Tensor, out_dtype: torch.dtype | None, base: tor
         return torch_rows.weight_grad(parts, w, out_dtype, base, db)
     by_row = by_row or Pairs([cols for _, cols, _ in parts])
     h = _stacked(hs)
-    d = _flat([d for d, _, _ in parts], by_row.k, 0.0)[by_row.order]
+    d = _flat([d for d, _, _ in parts], by_row.k, 0.0)
     # each row's first sorted pair (pads, -1, sort first); row v's pairs end where row v + 1's begin
     starts = torch.searchsorted(by_row.keys, torch.arange(v + 1, dtype=torch.int32, device=d.device))
     out = None if out_dtype is None else torch.empty(shape, dtype=out_dtype, device=d.device)
     n_h = 1 if out is None else triton.cdiv(hd, _DW_BH)
-    _dw_kernel[(v, n_h)](starts, d, by_row.rows, h, base if base is not None else d, out if out is not None else d,
-                         db if db is not None else d, hd, h.stride(0), 0 if base is None else base.stride(0),
+    _dw_kernel[(v, n_h)](starts, by_row.order, d, h, base if base is not None else d, out if out is not None else d,
+                         db if db is not None else d, max(by_row.k, 1), hd, h.stride(0), 0 if base is None else base.stride(0),
                          0 if out is None else out.stride(0), HAS_BASE=base is not None, HAS_DW=out is not None,
                          HAS_DB=db is not None, BP=_DW_BP, BH=_DW_BH, num_warps=_DW_WARPS)
     return out
