@@ -94,7 +94,7 @@ _KERNEL_CHECKS = textwrap.dedent(
     # against the torch steps, K past one block of ids (130), chunks of uneven and no rows, shards
     # at the start, middle and end and an empty one; ignored rows, whole-vocabulary rows, repeats
     from types import SimpleNamespace
-    from vparallel_ce import sampling_set, set_chunk
+    from vparallel_ce import set_check, set_chunk
     from vparallel_ce.kernels import set_rows as sk
     for n, k in ((9, 3), (6, 130), (4, 0)):
         ids = torch.randint(-1, 40, (n, k), generator=g)
@@ -122,7 +122,7 @@ _KERNEL_CHECKS = textwrap.dedent(
         for vocab in (40, 46):               # 45 out of range, then in
             for tt in (t, torch.where(torch.arange(n) == 2, -100, t)):  # the repeat's row ignored
                 got = sk.bad_rows(ids.to(dev), tt.to(dev), -100, vocab)
-                assert got == sampling_set._bad_rows(ids.to(dev), tt.to(dev), -100, vocab), (n, k, vocab, got)
+                assert got == set_check._bad_rows(ids.to(dev), tt.to(dev), -100, vocab), (n, k, vocab, got)
         ran += 1
     assert tk.GATHERED.name == "triton"
     print("GATHERED_ROWS_OK", ran)

@@ -27,7 +27,8 @@ def _gathered(w: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return w[cols.clamp(min=0)].masked_fill_((cols < 0).unsqueeze(-1), 0)
 
 
-def logits(parts, w: torch.Tensor, b: torch.Tensor | None, out_dtype: torch.dtype, *, by_row=None) -> list[torch.Tensor]:
+def logits(parts, w: torch.Tensor, b: torch.Tensor | None, out_dtype: torch.dtype, *,
+           by_row=None) -> list[torch.Tensor]:
     """Each chunk's ``[c, K]`` logits for the chunks ``(cols [c, K], h [c, H])`` of ``parts``, in
     ``out_dtype`` (the products summed in ``out_dtype``, or in the operands' dtype and cast), the
     bias added in it; 0 (or the bias of row 0) where ``cols = -1``. (``by_row``: unread, as in the kernels'.)"""

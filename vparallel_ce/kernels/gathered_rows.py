@@ -257,9 +257,10 @@ def weight_grad(parts, w: torch.Tensor, out_dtype: torch.dtype | None, base: tor
     out = None if out_dtype is None else torch.empty(shape, dtype=out_dtype, device=d.device)
     n_h = 1 if out is None else triton.cdiv(hd, _DW_BH)
     _dw_kernel[(v, n_h)](starts, by_row.order, d, h, base if base is not None else d, out if out is not None else d,
-                         db if db is not None else d, max(by_row.k, 1), hd, h.stride(0), 0 if base is None else base.stride(0),
-                         0 if out is None else out.stride(0), HAS_BASE=base is not None, HAS_DW=out is not None,
-                         HAS_DB=db is not None, BP=_DW_BP, BH=_DW_BH, num_warps=_DW_WARPS)
+                         db if db is not None else d, max(by_row.k, 1), hd, h.stride(0),
+                         0 if base is None else base.stride(0), 0 if out is None else out.stride(0),
+                         HAS_BASE=base is not None, HAS_DW=out is not None, HAS_DB=db is not None, BP=_DW_BP,
+                         BH=_DW_BH, num_warps=_DW_WARPS)
     return out
 
 

@@ -1,6 +1,6 @@
 r"""The sampling set's rows, checked and mapped to this shard, one launch each.
 
-:func:`bad_rows` -- the front door's check of the set's values (:func:`vparallel_ce.sampling_set.check_support_values`):
+:func:`bad_rows` -- the front door's check of the set's values (:func:`vparallel_ce.set_check.check_support_values`):
 per valid token, an id outside ``[-1, V)``, an id twice in its row (its row sorted first: equal
 neighbours), a target not among its row's ids (unless the row is all ``-1``); the first such row of
 each kind (integer atomics), read by the host at once.
@@ -16,7 +16,7 @@ among its ids (any shard's) or that is full. Per chunk of ``heights`` rows: the 
 row and its full rows' count (integer atomics: the same on every run), what the host reads once.
 
 The torch steps of :meth:`vparallel_ce.set_chunk.SetRows.of_chunks` and
-:func:`vparallel_ce.sampling_set.check_support_values` are the reference (about forty and twenty
+:func:`vparallel_ce.set_check.check_support_values` are the reference (about forty and twenty
 small launches for what these do in one each).
 """
 
