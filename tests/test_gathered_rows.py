@@ -38,9 +38,9 @@ _KERNEL_CHECKS = textwrap.dedent(
     ran = 0
     # (tokens, kept ids per row, shard rows, hidden size): H not a multiple of the tiles, K past one
     # block of ids, a chunk with no kept ids, an empty shard; a weight row with more pairs than one
-    # block of them, more rows with pairs than dW's programs (each walks several)
+    # block of them, weight rows without pairs, H past one block of dh's and of dW's
     for c, k, v, hd in ((5, 3, 7, 40), (4, 19, 30, 300), (3, 0, 7, 8), (3, 2, 0, 8), (20, 2, 3, 24),
-                        (6, 40, 150, 24)):
+                        (6, 40, 150, 24), (3, 3, 12, 2100)):
         h = torch.randn(c, hd, generator=g)
         w = torch.randn(v, hd, generator=g)
         b = torch.randn(v, generator=g)

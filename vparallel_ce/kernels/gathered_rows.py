@@ -50,11 +50,13 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Tiles. A program holds a [rows, BLOCK_H] tile of gathered rows, loaded at once (rows of memory in
 # flight together); the loads of one row are BLOCK_H contiguous elements. logits: 16 x 256 at 4
 # warps, an fp32 accumulator of the tile's shape summed across its columns once, at the end. dh / dW:
-# 8 x 1024 / 4 x 1024 at 4 warps, so a thread holds 8 consecutive elements of each row (16-byte
-# loads of bf16) and sums the tile's rows in its own registers into a [BLOCK_H] fp32 accumulator.
+# 8 x 1024 at 4 warps / 4 x 2048 at 8 warps, 256 elements a warp, so a thread holds 8 consecutive
+# elements of each row (16-byte loads of bf16) and sums the tile's rows in its own registers into a
+# [BLOCK_H] fp32 accumulator. dW's programs are one per weight row and block of H, most of them
+# with one pair or none at small K: wide blocks keep their count (and the launch's) down.
 _LOGITS_BP, _LOGITS_BH, _LOGITS_WARPS = 16, 256, 4
 _DH_BK, _DH_BH, _DH_WARPS = 8, 1024, 4
-_DW_BP, _DW_BH, _DW_WARPS = 4, 1024, 4  # at small K most weight rows have one pair or none
+_DW_BP, _DW_BH, _DW_WARPS = 4, 2048, 8
 
 
 @triton.jit(do_not_specialize=["P"])
