@@ -96,13 +96,14 @@ _KERNEL_CHECKS = textwrap.dedent(
     from types import SimpleNamespace
     from vparallel_ce import set_check, set_chunk
     from vparallel_ce.kernels import set_rows as sk
-    for n, k in ((9, 3), (6, 130), (4, 0)):
-        ids = torch.randint(-1, 40, (n, k), generator=g)
+    for n, k in ((9, 3), (5, 40), (6, 130), (4, 0)):  # (K = 3 and 40: each id against the others; 130: sorted)
+        ids = torch.randint(-1, 40, (n, k), generator=g) if k > 40 else \
+            torch.stack([torch.randperm(41, generator=g)[:k] - 1 for _ in range(n)])  # distinct but one repeat
         t = torch.randint(0, 40, (n,), generator=g)
         if k:
             ids[0] = -1                      # the whole vocabulary
-            ids[1, 0] = t[1]                 # the target in its row
-            ids[2, -1] = ids[2, 0]           # a repeat
+            t[1] = ids[1][ids[1] >= 0][0]    # the target in its row
+            ids[2, -1] = ids[2, :-1][ids[2, :-1] >= 0][0]  # a repeat
             ids[3, 1] = 45                   # out of range
         t[min(4, n - 1)] = -100              # ignored
         for heights in ([n], [2, 0, n - 2]):
@@ -123,6 +124,8 @@ _KERNEL_CHECKS = textwrap.dedent(
             for tt in (t, torch.where(torch.arange(n) == 2, -100, t)):  # the repeat's row ignored
                 got = sk.bad_rows(ids.to(dev), tt.to(dev), -100, vocab)
                 assert got == set_check._bad_rows(ids.to(dev), tt.to(dev), -100, vocab), (n, k, vocab, got)
+                if k and k <= 40:
+                    assert got[1] == (None if tt[2] == -100 else 2), (n, k, got)
         ran += 1
     assert tk.GATHERED.name == "triton"
     print("GATHERED_ROWS_OK", ran)
@@ -234,8 +237,8 @@ _OP_CHECKS = textwrap.dedent(
         return ops.seen
 
     one, three = ops_of(1), ops_of(3)
-    # (on CUDA a few more: the small fills and the two host reads are ops there)
-    most = 33 if dev == "cpu" else 38
+    # (on CUDA a few more: the two host reads, and a host copy with several chunks, are ops there)
+    most = 30 if dev == "cpu" else 34
     assert len(one) <= most and len(three) - len(one) <= 2 * 20, (len(one), len(three), one, three)
     print("GATHERED_OP_OK")
     """

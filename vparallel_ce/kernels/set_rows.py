@@ -1,8 +1,8 @@
 r"""The sampling set's rows, checked and mapped to this shard, one launch each.
 
 :func:`bad_rows` -- the front door's check of the set's values (:func:`vparallel_ce.set_check.check_support_values`):
-per valid token, an id outside ``[-1, V)``, an id twice in its row (its row sorted first: equal
-neighbours), a target not among its row's ids (unless the row is all ``-1``); the first such row of
+per valid token, an id outside ``[-1, V)``, an id twice in its row (each id against the others
+where a row holds up to 64, else equal neighbours of the row sorted first), a target not among its row's ids (unless the row is all ``-1``); the first such row of
 each kind (integer atomics), read by the host at once.
 
 :func:`set_rows` -- the rows of :class:`vparallel_ce.set_chunk.SetRows` for all of a call's token
@@ -28,10 +28,13 @@ import triton.language as tl
 
 __all__ = ["set_rows", "bad_rows"]
 
+# the most ids of a row that the values check compares pairwise (no sort of the rows first)
+_PAIRWISE_K = 64
+
 
 @triton.jit(do_not_specialize=["N", "K", "V", "ignore_index"])
 def _bad_rows_kernel(IDS, ORDERED, TARGET, FIRST, N, K, V, ignore_index, s_ids, s_ord, BN: tl.constexpr,
-                     BK: tl.constexpr):
+                     BK: tl.constexpr, PAIRWISE: tl.constexpr):
     n = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     nin = n < N
     t = tl.load(TARGET + n, mask=nin, other=ignore_index).to(tl.int64)
@@ -45,10 +48,15 @@ def _bad_rows_kernel(IDS, ORDERED, TARGET, FIRST, N, K, V, ignore_index, s_ids, 
         ks = k0 + kk
         m = valid[:, None] & (ks < K)[None, :]
         ids = tl.load(IDS + n[:, None] * s_ids + ks[None, :], mask=m, other=-1)
-        o = tl.load(ORDERED + n[:, None] * s_ord + ks[None, :], mask=m, other=-1)
-        prev = tl.load(ORDERED + n[:, None] * s_ord + (ks - 1)[None, :], mask=m & (ks >= 1)[None, :], other=-1)
         out = tl.maximum(out, tl.max(((ids < -1) | (ids >= V)).to(tl.int32), axis=1))
-        twice = tl.maximum(twice, tl.max(((o == prev) & (o >= 0)).to(tl.int32), axis=1))
+        if PAIRWISE:  # the whole row in one block: each id against the ids after it
+            later = (kk[:, None] < kk[None, :])[None, :, :]
+            same = (ids[:, :, None] == ids[:, None, :]) & later & (ids >= 0)[:, :, None]
+            twice = tl.maximum(twice, tl.max(tl.max(same.to(tl.int32), axis=2), axis=1))
+        else:  # the row sorted: equal neighbours
+            o = tl.load(ORDERED + n[:, None] * s_ord + ks[None, :], mask=m, other=-1)
+            prev = tl.load(ORDERED + n[:, None] * s_ord + (ks - 1)[None, :], mask=m & (ks >= 1)[None, :], other=-1)
+            twice = tl.maximum(twice, tl.max(((o == prev) & (o >= 0)).to(tl.int32), axis=1))
         real = tl.maximum(real, tl.max((ids >= 0).to(tl.int32), axis=1))
         hit = tl.maximum(hit, tl.max((m & (ids == t[:, None])).to(tl.int32), axis=1))
     missing = valid & (real > 0) & (hit == 0)
@@ -64,13 +72,14 @@ def bad_rows(ids: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_s
     the host at once."""
     n, k = ids.shape
     ids = ids if ids.stride(-1) == 1 else ids.contiguous()
-    ordered = ids.sort(dim=-1).values
+    pairwise = k <= _PAIRWISE_K  # (no sort: a row of up to 64 ids is compared with itself, 64 x 64)
+    ordered = ids if pairwise else ids.sort(dim=-1).values
     first = torch.full((3,), n, dtype=torch.int64, device=ids.device)
     if n and k:
         bk = max(16, min(128, triton.next_power_of_2(k)))
-        bn = max(1, 2048 // bk)
+        bn = max(1, (4096 // (bk * bk)) if pairwise else 2048 // bk)
         _bad_rows_kernel[(triton.cdiv(n, bn),)](ids, ordered, target, first, n, k, vocab_size, ignore_index,
-                                                ids.stride(0), ordered.stride(0), BN=bn, BK=bk)
+                                                ids.stride(0), ordered.stride(0), BN=bn, BK=bk, PAIRWISE=pairwise)
     return [None if r == n else r for r in first.tolist()]
 
 
