@@ -238,7 +238,7 @@ _OP_CHECKS = textwrap.dedent(
 
     one, three = ops_of(1), ops_of(3)
     # (on CUDA a few more: the two host reads, and a host copy with several chunks, are ops there)
-    most = 30 if dev == "cpu" else 34
+    most = 28 if dev == "cpu" else 32
     assert len(one) <= most and len(three) - len(one) <= 2 * 20, (len(one), len(three), one, three)
     print("GATHERED_OP_OK")
     """

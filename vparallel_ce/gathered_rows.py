@@ -40,10 +40,12 @@ def logits(parts, w: torch.Tensor, b: torch.Tensor | None, out_dtype: torch.dtyp
     return out
 
 
-def hidden_grad(d: torch.Tensor, cols: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``dh [c, H]`` in ``d``'s dtype."""
+def hidden_grad(d: torch.Tensor, cols: torch.Tensor, w: torch.Tensor, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``dh [c, H]`` in ``d``'s dtype (written into ``out``, if given, and returned)."""
     d = d.masked_fill(cols < 0, 0)
-    return torch.bmm(d.unsqueeze(1), _gathered(w, cols).to(d.dtype)).squeeze(1)
+    dh = torch.bmm(d.unsqueeze(1), _gathered(w, cols).to(d.dtype)).squeeze(1)
+    return dh if out is None else out.copy_(dh)
 
 
 def weight_grad(parts, w: torch.Tensor, out_dtype: torch.dtype | None, base: torch.Tensor | None = None,

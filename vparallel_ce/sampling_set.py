@@ -287,7 +287,8 @@ class LinearSetLogprobs(torch.autograd.Function):
         hm, wm, bm = matmul_inputs(call, h, w, b)
         acc = compute_dtype(wm.dtype)
         gathered = call.ops(wm).gathered
-        dh = torch.zeros(h.shape, dtype=acc, device=h.device) if need[0] else None
+        # (each chunk's rows zeroed below, unless the gather mode's dh writes them first)
+        dh = torch.empty(h.shape, dtype=acc, device=h.device) if need[0] else None
         any_full = any(sr.full.numel() for sr, *_ in ctx.saved)
         both = any(ctx.gathered) and not all(ctx.gathered)
         # dW's fp32 sum where more than one pass adds to it (the batch-invariant chunks, the whole-vocab
@@ -308,10 +309,13 @@ class LinearSetLogprobs(torch.autograd.Function):
             d_set, d_full = ch.grads(call, m, coefs)
             # this chunk's rows of dh (fp32): its rows of dh, or (sequence parallel) the gathered
             # rows' partial sum, reduce-scattered once every chunk's GEMM-mode part is in
-            dh_c = None
+            # (fresh: the gather mode's dh writes the chunk's rows first; others add to zeros)
+            dh_c, fresh = None, ctx.gathered[c] and not call.batch_invariant
             if dh is not None:
-                dh_c = torch.zeros(h_c.shape, dtype=acc, device=h.device) if call.sequence_parallel \
+                dh_c = torch.empty(h_c.shape, dtype=acc, device=h.device) if call.sequence_parallel \
                     else dh[rows.local[c]]
+                if not fresh:
+                    dh_c.zero_()
             if call.batch_invariant:  # d_set: the whole shard's columns
                 _shard_grads(d_set, h_c, wm, dw, db, add_dh, dh_c)
             else:
@@ -382,7 +386,7 @@ def _linear_grads(sr: SetRows, d_set, d_full, h_c, w, gathered: GatheredRows | N
     cols = _kept_cols(sr) if cols is None else cols
     if gathered is not None:
         if dh_c is not None:
-            dh_c += gathered.hidden_grad(d_set, cols, w)
+            gathered.hidden_grad(d_set, cols, w, out=dh_c)  # (the chunk's first part of dh: written, not added)
         parts.append((d_set, cols, h_c))
     else:
         gemm_parts.append((d_set, cols, h_c, dh_c))

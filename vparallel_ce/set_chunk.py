@@ -49,7 +49,8 @@ class SetRows:
         waits for these steps alone rather than for kernels queued between chunks. Each chunk's
         tensors are views of the call's: no per-chunk steps but a whole-vocabulary row's."""
         lay = call.layout
-        made = kernels.set_rows_on_shard(ids, target, heights, lay.offset, lay.local_size, call.spec.ignore_index, call.kernels)
+        made = kernels.set_rows_on_shard(ids, target, heights, lay.offset, lay.local_size, call.spec.ignore_index,
+                                         call.kernels)
         cols, kept, tpos, (t_owned, valid, in_set, full_row), sizes = made or _rows_torch(ids, target, heights, call)
         k_max = max((k for k, _ in sizes), default=0)
         if 2 * k_max <= cols.shape[1]:  # (the kernel's rows are K wide: kept for the backward, keep K_loc)
@@ -101,7 +102,8 @@ def _rows_torch(ids: torch.Tensor, target: torch.Tensor, heights: list[int], cal
     widths, lo = [], 0
     for height in heights:
         part = count[lo:lo + height]
-        widths.append(torch.stack([part.amax() if part.numel() else count.new_zeros(()), full_row[lo:lo + height].sum()]))
+        most = part.amax() if part.numel() else count.new_zeros(())
+        widths.append(torch.stack([most, full_row[lo:lo + height].sum()]))
         lo += height
     sizes = torch.stack(widths).tolist()
     k_max = max((k for k, _ in sizes), default=0)

@@ -221,15 +221,17 @@ def logits(parts, w: torch.Tensor, b: torch.Tensor | None, out_dtype: torch.dtyp
     return out
 
 
-def hidden_grad(d: torch.Tensor, cols: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def hidden_grad(d: torch.Tensor, cols: torch.Tensor, w: torch.Tensor, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """``dh [c, H]`` fp32: ``sum_k d[n, k] w[cols[n, k]]`` over the entries with ``cols >= 0``;
-    ``d [c, K]`` fp32."""
+    ``d [c, K]`` fp32. ``out``: written there (fp32 ``[c, H]``, rows of unit stride) and returned."""
     c, k = cols.shape
     hd = w.shape[1]
-    if not _covered(w) or d.dtype != torch.float32 or c == 0 or k == 0 or hd == 0:
-        return torch_rows.hidden_grad(d, cols, w)
+    if (not _covered(w) or d.dtype != torch.float32 or c == 0 or k == 0 or hd == 0
+            or (out is not None and (out.dtype != torch.float32 or out.stride(-1) != 1))):
+        return torch_rows.hidden_grad(d, cols, w, out=out)
     d, cols, w = _rows(d), _rows(cols), _rows(w)
-    dh = torch.empty((c, hd), dtype=torch.float32, device=w.device)
+    dh = torch.empty((c, hd), dtype=torch.float32, device=w.device) if out is None else out
     _dh_kernel[(c, triton.cdiv(hd, _DH_BH))](d, cols, w, dh, c, k, hd, d.stride(0), cols.stride(0), w.stride(0),
                                              dh.stride(0), BK=_DH_BK, BH=_DH_BH, num_warps=_DH_WARPS)
     return dh

@@ -1,19 +1,20 @@
 r"""The sampling set's rows, checked and mapped to this shard, one launch each.
 
-:func:`bad_rows` -- the front door's check of the set's values (:func:`vparallel_ce.set_check.check_support_values`):
-per valid token, an id outside ``[-1, V)``, an id twice in its row (each id against the others
-where a row holds up to 64, else equal neighbours of the row sorted first), a target not among its row's ids (unless the row is all ``-1``); the first such row of
-each kind (integer atomics), read by the host at once.
+:func:`bad_rows` -- the front door's check of the set's values
+(:func:`vparallel_ce.set_check.check_support_values`): per valid token, an id outside ``[-1, V)``,
+an id twice in its row (each id against the others where a row holds up to 64, else equal
+neighbours of the row sorted first), a target not among its row's ids (unless the row is all
+``-1``); the first such row of each kind (integer atomics), read by the host at once.
 
 :func:`set_rows` -- the rows of :class:`vparallel_ce.set_chunk.SetRows` for all of a call's token
-chunks. Per token ``n`` with ids ``ids[n, :]`` (``-1`` padding) and
-target ``t``: ``valid = t != ignore_index``; the ids this shard owns (``0 <= id - offset <
-local_size``, valid rows) moved to the front of the row in their order, as local columns --
-``cols[n, j]`` the ``j``-th owned id's column for ``j < count[n]``, 0 after, ``kept[n, j] = j <
-count[n]``; ``tpos``/``t_owned`` the target's first position among them and whether there is one;
-``full`` a valid row of padding only (the whole vocabulary); ``in_set`` a valid row whose target is
-among its ids (any shard's) or that is full. Per chunk of ``heights`` rows: the most owned ids of a
-row and its full rows' count (integer atomics: the same on every run), what the host reads once.
+chunks. Per token ``n`` with ids ``ids[n, :]`` (``-1`` padding) and target ``t``: ``valid = t !=
+ignore_index``; the ids this shard owns (``0 <= id - offset < local_size``, valid rows) moved to
+the front of the row in their order, as local columns -- ``cols[n, j]`` the ``j``-th owned id's
+column for ``j < count[n]``, 0 after, ``kept[n, j] = j < count[n]``; ``tpos``/``t_owned`` the
+target's first position among them and whether there is one; ``full`` a valid row of padding only
+(the whole vocabulary); ``in_set`` a valid row whose target is among its ids (any shard's) or that
+is full. Per chunk of ``heights`` rows: the most owned ids of a row and its full rows' count
+(integer atomics: the same on every run), what the host reads once.
 
 The torch steps of :meth:`vparallel_ce.set_chunk.SetRows.of_chunks` and
 :func:`vparallel_ce.set_check.check_support_values` are the reference (about forty and twenty
