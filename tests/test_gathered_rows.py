@@ -6,8 +6,10 @@ Each check runs in a fresh subprocess: on CPU under Triton's interpreter (``TRIT
 be set before triton is imported; :func:`tests.test_kernels._run_checks`), with CUDA compiled; fp32 at tiny sizes:
 padding (``-1``) entries whose ``d`` is NaN (never read, never added to row 0), ids repeated across
 rows, a chunk with no kept ids, an empty shard, ``dW`` over several chunks into a base sum and
-``db`` alone; then the op with ``kernels.use("triton")`` against ``kernels.use("torch")`` in both
-modes, with a whole-vocabulary (``-1``) row and a bias. With CUDA: bf16 at a moderate size against
+``db`` alone; the set's rows on a shard and its values check against their torch steps; then the
+op with ``kernels.use("triton")`` against ``kernels.use("torch")`` in both modes, with a
+whole-vocabulary (``-1``) row and a bias, the op over logits likewise, and the set op's ATen ops per
+call pinned (host steps that cannot creep back). With CUDA: bf16 at a moderate size against
 the float64 reference, both modes.
 """
 
@@ -132,7 +134,8 @@ _KERNEL_CHECKS = textwrap.dedent(
 )
 
 # The linear set op on each backend (kernels.use) in both modes (GATHER_RATIO), values and the
-# gradients of hidden, weight and bias: the Triton kernels' against the torch version's.
+# gradients of hidden, weight and bias: the Triton kernels' against the torch version's; the op over
+# logits likewise; the set op's host steps per call, pinned.
 _OP_CHECKS = textwrap.dedent(
     r"""
     import sys
@@ -195,6 +198,22 @@ _OP_CHECKS = textwrap.dedent(
                 got[mode] = (lp, ent, *grads)
         for what, a, r in zip(("logp", "entropy", "dh", "dW", "db"), got["mixed"], got["gemm"]):
             torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"mixed modes {rows} {what}: {m}")
+    # the op over given logits on each backend (its rows and row steps are the kernels' too), with a
+    # set and with a mask (every row over the whole vocabulary), three chunks
+    x = torch.randn(n, v, generator=g).to(dev) * 2
+    got = {}
+    for choice in ("triton", "torch"):
+        with kernels.use(choice):
+            for name, kw in (("support", dict(support=sup)), ("top_k", dict(top_k=5))):
+                xx = x.clone().requires_grad_()
+                lp, ent = vparallel_ce.token_logprobs(xx, t, with_entropy=True, temperature=0.7, chunks=3, **kw)
+                gx, = torch.autograd.grad((lp.nan_to_num(0) * torch.linspace(-1, 1, n, device=dev)).sum()
+                                          + ent.sum(), xx)
+                got[choice, name] = (lp, ent, gx)
+    for name in ("support", "top_k"):
+        for what, a, r in zip(("logp", "entropy", "dx"), got["triton", name], got["torch", name]):
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"logits op {name} {what}: {m}")
+
     # the host's steps per call with the kernels, forward and backward: ATen ops that launch work
     # (views, allocations and Python scalars aside; the interpreter's own copies unseen), pinned for
     # one chunk and for each chunk more, so small steps cannot creep back into the set op
