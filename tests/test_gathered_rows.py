@@ -6,8 +6,10 @@ Each check runs in a fresh subprocess: on CPU under Triton's interpreter (``TRIT
 be set before triton is imported; :func:`tests.test_kernels._run_checks`), with CUDA compiled; fp32 at tiny sizes:
 padding (``-1``) entries whose ``d`` is NaN (never read, never added to row 0), ids repeated across
 rows, a chunk with no kept ids, an empty shard, ``dW`` over several chunks into a base sum and
-``db`` alone; then the op with ``kernels.use("triton")`` against ``kernels.use("torch")`` in both
-modes, with a whole-vocabulary (``-1``) row and a bias. With CUDA: bf16 at a moderate size against
+``db`` alone; the set's rows on a shard and its values check against their torch steps; then the
+op with ``kernels.use("triton")`` against ``kernels.use("torch")`` in both modes, with a
+whole-vocabulary (``-1``) row and a bias, the op over logits likewise, and the set op's ATen ops per
+call pinned (host steps that cannot creep back). With CUDA: bf16 at a moderate size against
 the float64 reference, both modes.
 """
 
@@ -38,9 +40,9 @@ _KERNEL_CHECKS = textwrap.dedent(
     ran = 0
     # (tokens, kept ids per row, shard rows, hidden size): H not a multiple of the tiles, K past one
     # block of ids, a chunk with no kept ids, an empty shard; a weight row with more pairs than one
-    # block of them, more rows with pairs than dW's programs (each walks several)
+    # block of them, weight rows without pairs, H past one block of dh's and of dW's
     for c, k, v, hd in ((5, 3, 7, 40), (4, 19, 30, 300), (3, 0, 7, 8), (3, 2, 0, 8), (20, 2, 3, 24),
-                        (6, 40, 150, 24)):
+                        (6, 40, 150, 24), (3, 3, 12, 2100)):
         h = torch.randn(c, hd, generator=g)
         w = torch.randn(v, hd, generator=g)
         b = torch.randn(v, generator=g)
@@ -79,13 +81,61 @@ _KERNEL_CHECKS = textwrap.dedent(
         ref.weight_grad(parts, w, None, None, db_ref)
         close(db, db_ref, f"{name} db alone")
         ran += 1
+    # chunks of different widths: the pairs padded to the widest (logits and dW alike)
+    h, w = torch.randn(7, 24, generator=g).to(dev), torch.randn(30, 24, generator=g).to(dev)
+    parts = [(torch.randint(-1, 30, (4, 5), generator=g).to(dev), h[:4]),
+             (torch.randint(-1, 30, (3, 2), generator=g).to(dev), h[4:])]  # (consecutive rows of one h: a view)
+    for x, x_ref, (cols, _) in zip(tk.logits(parts, w, None, torch.float32), ref.logits(parts, w, None, torch.float32),
+                                   parts):
+        close(x[cols >= 0], x_ref[cols >= 0], "widths 5 and 2: logits")
+    dparts = [(torch.randn(cols.shape, generator=g).to(dev), cols, hc) for cols, hc in parts]
+    close(tk.weight_grad(dparts, w, torch.float32), ref.weight_grad(dparts, w, torch.float32), "widths 5 and 2: dW")
+    ran += 1
+
+    # the set's rows mapped to a shard for all chunks at once, and its values check: the kernels
+    # against the torch steps, K past one block of ids (130), chunks of uneven and no rows, shards
+    # at the start, middle and end and an empty one; ignored rows, whole-vocabulary rows, repeats
+    from types import SimpleNamespace
+    from vparallel_ce import set_check, set_chunk
+    from vparallel_ce.kernels import set_rows as sk
+    for n, k in ((9, 3), (5, 40), (6, 130), (4, 0)):  # (K = 3 and 40: each id against the others; 130: sorted)
+        ids = torch.randint(-1, 40, (n, k), generator=g) if k > 40 else \
+            torch.stack([torch.randperm(41, generator=g)[:k] - 1 for _ in range(n)])  # distinct but one repeat
+        t = torch.randint(0, 40, (n,), generator=g)
+        if k:
+            ids[0] = -1                      # the whole vocabulary
+            t[1] = ids[1][ids[1] >= 0][0]    # the target in its row
+            ids[2, -1] = ids[2, :-1][ids[2, :-1] >= 0][0]  # a repeat
+            ids[3, 1] = 45                   # out of range
+        t[min(4, n - 1)] = -100              # ignored
+        heights = [2, 0, n - 2]              # chunks of uneven and no rows
+        for offset, local in ((0, 10), (30, 10), (40, 0)):
+            call = SimpleNamespace(layout=SimpleNamespace(offset=offset, local_size=local),
+                                   spec=SimpleNamespace(ignore_index=-100))
+            got = sk.set_rows(ids.to(dev), t.to(dev), heights, offset, local, -100)
+            want = set_chunk._rows_torch(ids.to(dev), t.to(dev), heights, call)
+            name = f"set rows n={n} K={k} shard={offset}+{local}"
+            assert got[4] == want[4], (name, got[4], want[4])
+            w_k = want[0].shape[1]
+            for a, b, what in ((got[0][:, :w_k], want[0], "cols"), (got[1][:, :w_k], want[1], "kept"),
+                               (got[2], want[2], "tpos"), *zip(got[3], want[3], ("t_owned", "valid", "in_set", "full"))):
+                assert torch.equal(a.cpu(), b.cpu().to(a.dtype)), (name, what, a, b)
+            assert not got[1][:, w_k:].any(), name
+        # 45 out of range; then in range, with the repeat's row ignored
+        for vocab, tt in ((40, t), (46, torch.where(torch.arange(n) == 2, -100, t))):
+            got = sk.bad_rows(ids.to(dev), tt.to(dev), -100, vocab)
+            assert got == set_check._bad_rows(ids.to(dev), tt.to(dev), -100, vocab), (n, k, vocab, got)
+            if k and k <= 40:
+                assert got[1] == (None if tt[2] == -100 else 2), (n, k, got)
+        ran += 1
     assert tk.GATHERED.name == "triton"
     print("GATHERED_ROWS_OK", ran)
     """
 )
 
 # The linear set op on each backend (kernels.use) in both modes (GATHER_RATIO), values and the
-# gradients of hidden, weight and bias: the Triton kernels' against the torch version's.
+# gradients of hidden, weight and bias: the Triton kernels' against the torch version's; the op over
+# logits likewise; the set op's host steps per call, pinned.
 _OP_CHECKS = textwrap.dedent(
     r"""
     import sys
@@ -148,6 +198,65 @@ _OP_CHECKS = textwrap.dedent(
                 got[mode] = (lp, ent, *grads)
         for what, a, r in zip(("logp", "entropy", "dh", "dW", "db"), got["mixed"], got["gemm"]):
             torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"mixed modes {rows} {what}: {m}")
+    # the op over given logits on each backend (its rows and row steps are the kernels' too), with a
+    # set and with a mask (every row over the whole vocabulary), three chunks
+    x = torch.randn(n, v, generator=g).to(dev) * 2
+    got = {}
+    for choice in ("triton", "torch"):
+        with kernels.use(choice):
+            for name, kw in (("support", dict(support=sup)), ("top_k", dict(top_k=5))):
+                xx = x.clone().requires_grad_()
+                lp, ent = vparallel_ce.token_logprobs(xx, t, with_entropy=True, temperature=0.7, chunks=3, **kw)
+                gx, = torch.autograd.grad((lp.nan_to_num(0) * torch.linspace(-1, 1, n, device=dev)).sum()
+                                          + ent.sum(), xx)
+                got[choice, name] = (lp, ent, gx)
+    for name in ("support", "top_k"):
+        for what, a, r in zip(("logp", "entropy", "dx"), got["triton", name], got["torch", name]):
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"logits op {name} {what}: {m}")
+
+    # the host's steps per call with the kernels, forward and backward: ATen ops that launch work
+    # (views, allocations and Python scalars aside; the interpreter's own copies unseen), pinned for
+    # one chunk and for each chunk more, so small steps cannot creep back into the set op
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    free = {"view", "_unsafe_view", "as_strided", "detach", "_reshape_alias", "t", "unsqueeze", "squeeze", "slice",
+            "select", "expand", "alias", "reshape", "empty", "empty_like", "empty_strided", "split", "permute",
+            "transpose", "unbind", "new_empty", "lift_fresh", "split_with_sizes", "scalar_tensor"}
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in free:
+                self.seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    if dev == "cpu":
+        from triton.runtime import interpreter
+        run = interpreter.InterpretedFunction.run
+
+        def unseen(self, *a, **kw):
+            with _disable_current_modes():
+                return run(self, *a, **kw)
+
+        interpreter.InterpretedFunction.run = unseen
+
+    def ops_of(chunks):
+        sampling_set.GATHER_RATIO = 1
+        tt = t.clone()
+        tt[5] = t[4]
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        with kernels.use("triton"), Ops() as ops:
+            vparallel_ce.linear_token_logprobs(hh, ww, tt, support=sets_only, chunks=chunks).sum().backward()
+        return ops.seen
+
+    ops_of(1)  # (the first call settles what later calls reuse)
+    one, three = ops_of(1), ops_of(3)
+    # (on CUDA a few more: the two host reads, and a host copy with several chunks, are ops there)
+    most = 28 if dev == "cpu" else 32
+    assert len(one) <= most and len(three) - len(one) <= 2 * 20, (len(one), len(three), one, three)
     print("GATHERED_OP_OK")
     """
 )

@@ -27,10 +27,11 @@ def _gathered(w: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return w[cols.clamp(min=0)].masked_fill_((cols < 0).unsqueeze(-1), 0)
 
 
-def logits(parts, w: torch.Tensor, b: torch.Tensor | None, out_dtype: torch.dtype) -> list[torch.Tensor]:
+def logits(parts, w: torch.Tensor, b: torch.Tensor | None, out_dtype: torch.dtype, *,
+           by_row=None) -> list[torch.Tensor]:
     """Each chunk's ``[c, K]`` logits for the chunks ``(cols [c, K], h [c, H])`` of ``parts``, in
     ``out_dtype`` (the products summed in ``out_dtype``, or in the operands' dtype and cast), the
-    bias added in it; 0 (or the bias of row 0) where ``cols = -1``."""
+    bias added in it; 0 (or the bias of row 0) where ``cols = -1``. (``by_row``: unread, as in the kernels'.)"""
     wide = out_dtype if torch.finfo(out_dtype).bits > torch.finfo(w.dtype).bits else w.dtype
     out = []
     for cols, h in parts:
@@ -39,18 +40,20 @@ def logits(parts, w: torch.Tensor, b: torch.Tensor | None, out_dtype: torch.dtyp
     return out
 
 
-def hidden_grad(d: torch.Tensor, cols: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``dh [c, H]`` in ``d``'s dtype."""
+def hidden_grad(d: torch.Tensor, cols: torch.Tensor, w: torch.Tensor, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``dh [c, H]`` in ``d``'s dtype (written into ``out``, if given, and returned)."""
     d = d.masked_fill(cols < 0, 0)
-    return torch.bmm(d.unsqueeze(1), _gathered(w, cols).to(d.dtype)).squeeze(1)
+    dh = torch.bmm(d.unsqueeze(1), _gathered(w, cols).to(d.dtype)).squeeze(1)
+    return dh if out is None else out.copy_(dh)
 
 
 def weight_grad(parts, w: torch.Tensor, out_dtype: torch.dtype | None, base: torch.Tensor | None = None,
-                db: torch.Tensor | None = None) -> torch.Tensor | None:
+                db: torch.Tensor | None = None, *, by_row=None) -> torch.Tensor | None:
     """``dW`` (``w``'s shape and device) in ``out_dtype`` (None: none, ``db`` only): ``base`` (the fp32/fp64 sum so far,
     or 0) plus the chunks' ``(d [c, K], cols [c, K], h [c, H])`` products, summed chunk by chunk in
     ``base``'s dtype (else ``d``'s) and rounded once; ``db [V]`` gets ``sum d`` added. ``-1`` entries
-    add an exact 0 (to row 0). ``base`` may be overwritten."""
+    add an exact 0 (to row 0). ``base`` may be overwritten. (``by_row``: unread, as in the kernels'.)"""
     shape = tuple(w.shape)
     acc = base
     for d, cols, h in parts if shape[0] else ():  # (an empty shard: every entry -1)

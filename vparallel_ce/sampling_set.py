@@ -29,11 +29,12 @@ checked after it, on every rank alike. The masks add their own exchanges (their 
 any row has in this shard, :func:`gathers` picks the mode: where ``GATHER_RATIO * K_loc <= V_loc``
 the gather mode takes each token's own weight rows (:class:`~vparallel_ce.kernels.GatheredRows` of
 the call's kernel backend: on a GPU the Triton kernels of :mod:`vparallel_ce.kernels.gathered_rows`,
-which never make the ``[c, K_loc, H]`` rows -- the logits of all the gather mode's chunks in one
-pass over the pairs sorted by weight row (a row read from memory once, by its first pairs), ``dh``
-per (token, block of ``H``), and ``dW`` once for all the chunks, after the last, over the rows
-that have pairs only, no atomics; nothing launched per vocabulary row; elsewhere the torch
-version, :mod:`vparallel_ce.gathered_rows`, a chunk at a time); else the GEMM mode: one GEMM over
+which never make the ``[c, K_loc, H]`` rows -- the pairs of all the gather mode's chunks sorted
+by weight row once, in forward, and kept for ``dW``; the logits of all those chunks in one pass
+over them (a row read from memory once, by its first pairs), ``dh`` per (token, block of ``H``),
+and ``dW`` once for all the chunks, after the last, one program per (weight row, block of ``H``)
+that writes the row (zeros where it has no pairs: no fill of its own), no atomics; elsewhere the
+torch version, :mod:`vparallel_ce.gathered_rows`, a chunk at a time); else the GEMM mode: one GEMM over
 the shard (``O(c V_loc H)``) and a gather of its columns, kept for the backward, which then walks
 vocab blocks over all the GEMM mode's tokens at once (:func:`~vparallel_ce.set_gemm.gemm_set_grads`: the ``dh`` and
 ``dW`` GEMMs of the full op, ``dW`` written once per block; three GEMMs per logit in all).
@@ -52,8 +53,12 @@ sequence parallelism every chunk's gathered hidden rows (the group's ``[N, H]``)
 their fp32 partial ``dh`` until the GEMM mode's walk is done (a rank's modes are its own: the
 reduce-scatters all follow it, in chunk order, on every rank). Rows with the
 whole vocabulary (``-1`` rows, or the masks) take the GEMM. The rule reads two integers per chunk
-on the host, all of them at once before the first chunk's kernels; the GEMM mode's backward reads
-its vocab blocks' bounds in its sorted entries, once.
+on the host, all of them at once before the first chunk's kernels: every chunk's rows of the set
+are mapped to the shard in one pass over the call's rows (:meth:`~vparallel_ce.set_chunk.SetRows.of_chunks`,
+one launch with the kernels; each chunk's tensors are views of the call's), as the values check is
+one (:func:`check_support_values`), so the host's small steps do not grow with the set or the
+chunks; the set's row statistics and gradient are the call's backend's (one launch each per chunk
+with the kernels). The GEMM mode's backward reads its vocab blocks' bounds in its sorted entries, once.
 
 **Batch invariance** (``batch_invariant=True``, with ``support``): the gather mode's and the set
 matrix's widths follow the chunk's largest set, so a row's sums would too. This mode takes the
@@ -77,10 +82,11 @@ from .gemm import logits as lm_logits, matmul_inputs, mm_as, mm_into
 from .kernels import TORCH_GATHERED, GatheredRows
 from .sampling_masks import SamplingMasks
 from .second_order import first_order_only
+from .set_check import check_support_values
 from .set_chunk import SetChunk, SetRows, chunk_outputs, set_grad_coefs
 from .set_gemm import gemm_set_grads
 from .stats import compute_dtype
-from .validate import Problem, raise_values_problem
+from .validate import Problem
 
 __all__ = ["check_support", "check_support_values", "set_chunks", "set_logprobs", "linear_set_logprobs",
            "gathers", "GATHER_RATIO"]
@@ -125,41 +131,6 @@ def check_support(support, target: torch.Tensor, masks: SamplingMasks, batch_inv
     return None
 
 
-def check_support_values(support: torch.Tensor, target: torch.Tensor, call: Call) -> None:
-    """The set's values on the tokens that count (``target`` not ignored): ids in ``[-1, V)``, no id
-    twice in a row, the target among its row's ids (unless the row is all ``-1``). One host read;
-    called once the ranks agree on the set (the exchange compared its checksums), so every rank
-    raises the same error -- with sequence parallelism (each rank its own rows) after one more
-    exchange of the ranks' verdicts."""
-    problem = _support_problem(support, target, call.spec.ignore_index, call.layout.vocab_size)
-    raise_values_problem(problem, call.layout.group if call.sequence_parallel else None, support.device)
-
-
-def _support_problem(ids: torch.Tensor, target: torch.Tensor, ignore_index: int, vocab_size: int) -> str | None:
-    if ids.numel() == 0:
-        return None
-    valid = target != ignore_index
-    keep = valid.unsqueeze(-1)
-    out = ~((ids >= -1) & (ids < vocab_size)) & keep
-    ordered = ids.sort(dim=-1).values
-    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0) & keep
-    full = (ids < 0).all(-1)
-    missing = valid & ~full & ~(ids == target.unsqueeze(-1)).any(-1)
-    flags = torch.stack([out.any(), repeated.any(), missing.any()]).tolist()
-    if flags[0]:
-        row = out.any(-1).nonzero()[0, 0].item()
-        return (f"support holds an id outside [0, {vocab_size}) (or -1 padding) on token {row}: "
-                f"{ids[row][out[row]][0].item()}")
-    if flags[1]:
-        row = repeated.any(-1).nonzero()[0, 0].item()
-        return f"support repeats an id within token {row}'s row: {ids[row].tolist()[:16]}: a set's ids must be distinct"
-    if flags[2]:
-        row = missing.nonzero()[0, 0].item()
-        return (f"token {row}'s target {target[row].item()} is not in its support row {ids[row].tolist()[:16]}: a "
-                "token sampled from the set is one of its ids (pass check=False to get logp = -inf for it)")
-    return None
-
-
 def set_chunks(call: Call, k: int, hidden_size: int, chunks, *, gathered: GatheredRows | None = None) -> int:
     """Token chunks of a set call, the same on every rank (from the group's token count, the set
     width ``k``, the largest shard and the hidden size): ``chunks`` if an int, else enough that one
@@ -199,9 +170,9 @@ class SetLogprobs(torch.autograd.Function):
     def forward(ctx, x, target, support, call: Call, masks: SamplingMasks, chunks: int):
         rows = Rows(call, chunks)
         outs, saved = [], []
-        for c in range(len(rows)):
+        srs = SetRows.of_chunks(support, target, rows.height, call)  # (the chunks: consecutive slices)
+        for c, sr in enumerate(srs):
             sl = rows.local[c]
-            sr = SetRows.of(support[sl], target[sl], call)
             ch = _logits_chunk(call, sr, x[sl])
             logp, ent, kept = chunk_outputs(ch, sr, call, masks)
             outs.append((logp, ent))
@@ -241,7 +212,7 @@ def _logits_chunk(call: Call, sr: SetRows, x_c: torch.Tensor) -> SetChunk:
     and that mode's row steps."""
     if call.batch_invariant:
         return SetChunk(sr.over_shard(x_c.shape[1]), x_c, None, call.ops(x_c))
-    return SetChunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None)
+    return SetChunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None, call.ops(x_c))
 
 
 def _kept_for_backward(ctx, call: Call, masks: SamplingMasks, rows: Rows, saved: list, outs: list):
@@ -265,8 +236,7 @@ class LinearSetLogprobs(torch.autograd.Function):
         rows = Rows(call, chunks)
         # every chunk's rows of the set first, with one host read of their widths: it waits for these
         # small steps alone, not for the chunks' kernels
-        srs = SetRows.of_chunks([(rows.gather(c, support, fill=-1), rows.gather(c, target, fill=call.spec.ignore_index))
-                                 for c in range(len(rows))], call)
+        srs = SetRows.of_chunks(*_call_rows(rows, support, target, call), call)
         # the gather mode's logits of all its chunks in one pass over the weight (GatheredRows.logits),
         # kept for the backward (no second gather). With sequence parallelism every chunk's rows are
         # gathered first, in chunk order on every rank (a rank's modes depend on its shard's K_loc:
@@ -274,10 +244,15 @@ class LinearSetLogprobs(torch.autograd.Function):
         h_all = [rows.gather(c, hm) for c in range(len(rows))] if call.sequence_parallel else None
         hcs = {c: h_all[c] if h_all else rows.gather(c, hm) for c, sr in enumerate(srs)
                if not call.batch_invariant and gathers(sr.cols.shape[1], wm.shape[0])}
-        set_xs = [None] * len(srs)
+        set_xs, kept_cols, by_row = [None] * len(srs), [None] * len(srs), None
         if hcs:
-            xs = call.ops(wm).gathered.logits([(_kept_cols(srs[c]), h_c) for c, h_c in hcs.items()], wm, bm,
-                                              call.logits_dtype or hm.dtype)
+            gathered = call.ops(wm).gathered
+            for c in hcs:
+                kept_cols[c] = _kept_cols(srs[c])
+            # the pairs sorted by weight row once, for the logits here and dW in backward
+            by_row = gathered.pairs([kept_cols[c] for c in hcs], wm)
+            xs = gathered.logits([(kept_cols[c], h_c) for c, h_c in hcs.items()], wm, bm,
+                                 call.logits_dtype or hm.dtype, by_row=by_row)
             for c, x in zip(hcs, xs):
                 set_xs[c] = x
         outs, saved = [], []
@@ -292,6 +267,7 @@ class LinearSetLogprobs(torch.autograd.Function):
         ctx.save_for_backward(h, w, b, target, support)
         ctx.set_xs = set_xs  # each chunk's [c, K_loc] kept logits (None: batch invariant)
         ctx.gathered = [c in hcs for c in range(len(srs))]  # the chunks of the gather mode
+        ctx.kept_cols, ctx.by_row = kept_cols, by_row  # their local weight rows (-1: none), sorted pairs
         return _kept_for_backward(ctx, call, masks, rows, saved, outs)
 
     @staticmethod
@@ -311,7 +287,8 @@ class LinearSetLogprobs(torch.autograd.Function):
         hm, wm, bm = matmul_inputs(call, h, w, b)
         acc = compute_dtype(wm.dtype)
         gathered = call.ops(wm).gathered
-        dh = torch.zeros(h.shape, dtype=acc, device=h.device) if need[0] else None
+        # (each chunk's rows zeroed below, unless the gather mode's dh writes them first)
+        dh = torch.empty(h.shape, dtype=acc, device=h.device) if need[0] else None
         any_full = any(sr.full.numel() for sr, *_ in ctx.saved)
         both = any(ctx.gathered) and not all(ctx.gathered)
         # dW's fp32 sum where more than one pass adds to it (the batch-invariant chunks, the whole-vocab
@@ -324,7 +301,7 @@ class LinearSetLogprobs(torch.autograd.Function):
         add_dh = invariant_dh(call, w) if call.batch_invariant else None
         for c, (sr, tau, m, log_s, ent) in enumerate(ctx.saved):
             h_c = rows.gather(c, hm)
-            ch = _linear_chunk(call, sr, h_c, wm, bm, ctx.set_xs[c])
+            ch = _linear_chunk(call, sr, h_c, wm, bm, ctx.set_xs[c], masked=True)
             ch.masked(call, ctx.masks, tau)
             g_lp = None if g_logp is None else rows.gather(c, g_logp.reshape(-1))
             g_h = None if g_entropy is None else rows.gather(c, g_entropy.reshape(-1))
@@ -332,15 +309,18 @@ class LinearSetLogprobs(torch.autograd.Function):
             d_set, d_full = ch.grads(call, m, coefs)
             # this chunk's rows of dh (fp32): its rows of dh, or (sequence parallel) the gathered
             # rows' partial sum, reduce-scattered once every chunk's GEMM-mode part is in
-            dh_c = None
+            # (fresh: the gather mode's dh writes the chunk's rows first; others add to zeros)
+            dh_c, fresh = None, ctx.gathered[c] and not call.batch_invariant
             if dh is not None:
-                dh_c = torch.zeros(h_c.shape, dtype=acc, device=h.device) if call.sequence_parallel \
+                dh_c = torch.empty(h_c.shape, dtype=acc, device=h.device) if call.sequence_parallel \
                     else dh[rows.local[c]]
+                if not fresh:
+                    dh_c.zero_()
             if call.batch_invariant:  # d_set: the whole shard's columns
                 _shard_grads(d_set, h_c, wm, dw, db, add_dh, dh_c)
             else:
                 _linear_grads(sr, d_set, d_full, h_c, wm, gathered if ctx.gathered[c] else None, dw, db,
-                              parts, gemm_parts, dh_c)
+                              parts, gemm_parts, dh_c, ctx.kept_cols[c])
             dh_parts.append(dh_c)
         if gemm_parts:  # the GEMM mode's set columns of all its chunks, by vocab blocks
             direct = dw is None and need[1]
@@ -353,9 +333,20 @@ class LinearSetLogprobs(torch.autograd.Function):
         elif dh is not None:
             sum_dh_over_ranks(rows, dh)
         if parts or (need[1] and dw is None):  # the gather mode's dW (into the sum so far, if any) and db
-            dw = gathered.weight_grad(parts, w, w.dtype if need[1] else None, dw, db)
+            dw = gathered.weight_grad(parts, w, w.dtype if need[1] else None, dw, db, by_row=ctx.by_row)
         out = tuple(None if g is None else g.to(t.dtype) for g, t in ((dh, h), (dw, w), (db, b)))
         return out + (None,) * 5
+
+
+def _call_rows(rows: Rows, support: torch.Tensor, target: torch.Tensor, call: Call):
+    """``(ids, target, heights)``: every chunk's rows of the set and the targets, stacked in chunk
+    order (replicated hidden: the tensors themselves, the chunks being consecutive slices; sequence
+    parallel: each chunk's rows gathered over the group), and each chunk's row count."""
+    if not call.sequence_parallel:
+        return support, target, rows.height
+    parts = [(rows.gather(c, support, fill=-1), rows.gather(c, target, fill=call.spec.ignore_index))
+             for c in range(len(rows))]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), [p[1].shape[0] for p in parts]
 
 
 def gathers(k_loc: int, width: int) -> bool:
@@ -366,34 +357,36 @@ def gathers(k_loc: int, width: int) -> bool:
 
 def _kept_cols(sr: SetRows) -> torch.Tensor:
     """The chunk's kept ids as local weight rows, ``-1`` where none (what :class:`GatheredRows` reads)."""
-    return sr.cols.masked_fill(~sr.kept, -1)
+    return sr.cols.where(sr.kept, -1)
 
 
-def _linear_chunk(call: Call, sr: SetRows, h_c, w, b, set_x):
-    """The chunk's :class:`~vparallel_ce.set_chunk.SetChunk`: in the gather mode (``set_x``, its
-    kept ids' logits ``[c, K_loc]``, not None) those and the whole-vocab rows' GEMM, else the
-    shard's GEMM and a gather of its columns (or, batch-invariant, the GEMM masked to the set)."""
+def _linear_chunk(call: Call, sr: SetRows, h_c, w, b, set_x, *, masked: bool = False):
+    """The chunk's :class:`~vparallel_ce.set_chunk.SetChunk`: with ``set_x``, its kept ids'
+    logits ``[c, K_loc]`` (the gather mode's; ``masked``: the forward's chunk's, -inf off the set,
+    kept for the backward), those and the whole-vocab rows' GEMM, else the shard's GEMM and a
+    gather of its columns (or, batch-invariant, the GEMM masked to the set)."""
     width = w.shape[0]
     if call.batch_invariant:  # the shard's GEMM, masked to the set (the gather's widths vary with the chunk)
         x_c = lm_logits(call, h_c, w, b)
         return SetChunk(sr.over_shard(width), x_c, None, call.ops(x_c))
     if set_x is not None:
         full_x = lm_logits(call, h_c[sr.full], w, b) if sr.full.numel() else None
-        return SetChunk(sr, set_x, full_x)
+        return SetChunk(sr, set_x, full_x, call.ops(set_x), masked=masked)
     x_c = lm_logits(call, h_c, w, b)
-    return SetChunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None)
+    return SetChunk(sr, x_c.gather(1, sr.cols), x_c[sr.full] if sr.full.numel() else None, call.ops(x_c))
 
 
 def _linear_grads(sr: SetRows, d_set, d_full, h_c, w, gathered: GatheredRows | None, dw, db, parts: list,
-                  gemm_parts: list, dh_c):
+                  gemm_parts: list, dh_c, cols=None):
     """Add the chunk's ``dW``/``db`` (fp32 sums) and ``dh`` rows (into ``dh_c``, fp32, or None): the
     set's columns through ``gathered`` (the gather mode: ``dh`` here, ``(d, cols, h)`` appended to
     ``parts`` for one ``dW`` of all the chunks) or, the GEMM mode, ``(d, cols, h, dh_c)`` appended
-    to ``gemm_parts`` for :func:`~vparallel_ce.set_gemm.gemm_set_grads`; the whole-vocab rows through the GEMM."""
-    cols = _kept_cols(sr)
+    to ``gemm_parts`` for :func:`~vparallel_ce.set_gemm.gemm_set_grads`; the whole-vocab rows through the GEMM.
+    ``cols``: the chunk's :func:`_kept_cols`, if the forward kept them."""
+    cols = _kept_cols(sr) if cols is None else cols
     if gathered is not None:
         if dh_c is not None:
-            dh_c += gathered.hidden_grad(d_set, cols, w)
+            gathered.hidden_grad(d_set, cols, w, out=dh_c)  # (the chunk's first part of dh: written, not added)
         parts.append((d_set, cols, h_c))
     else:
         gemm_parts.append((d_set, cols, h_c, dh_c))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import kernels
 from .call import Call
 from .sampling_masks import SamplingMasks, thresholds
 from .stats import ChunkStats, GradCoefs, combine, grad_logits, local_stats, logprob_grad_coefs, scaled_logits
@@ -38,38 +39,36 @@ class SetRows:
 
     @classmethod
     def of(cls, ids: torch.Tensor, target: torch.Tensor, call: Call) -> "SetRows":
-        return cls.of_chunks([(ids, target)], call)[0]
+        return cls.of_chunks(ids, target, [target.shape[0]], call)[0]
 
     @classmethod
-    def of_chunks(cls, chunks, call: Call) -> list["SetRows"]:
-        """The rows of each chunk's ``(ids, target)``: one host read for all of them (their widths),
-        so that it waits for these steps alone rather than for kernels queued between chunks."""
+    def of_chunks(cls, ids: torch.Tensor, target: torch.Tensor, heights: list[int], call: Call) -> list["SetRows"]:
+        """The rows of consecutive chunks of ``heights`` rows of ``ids [n, K]`` / ``target [n]``,
+        made for all of them at once (with the kernels one launch, :func:`vparallel_ce.kernels.set_rows_on_shard`;
+        else the torch steps over all the rows) and one host read of the chunks' widths, which
+        waits for these steps alone rather than for kernels queued between chunks. Each chunk's
+        tensors are views of the call's: no per-chunk steps but a whole-vocabulary row's."""
         lay = call.layout
-        pre = []
-        for ids, target in chunks:
-            valid = target != call.spec.ignore_index
-            full_row = (ids < 0).all(-1) & valid
-            local = ids - lay.offset
-            owned = (ids >= 0) & (local >= 0) & (local < lay.local_size) & (valid & ~full_row).unsqueeze(-1)
-            pre.append((ids, target, valid, full_row, local, owned))
-        widths = [torch.stack([owned.sum(-1).amax() if ids.numel() else owned.new_zeros((), dtype=torch.int64),
-                               full_row.sum()]) for ids, _, _, full_row, _, owned in pre]
-        sizes = torch.stack(widths).tolist()
-        return [cls._made(*p, k_loc, n_full, lay) for p, (k_loc, n_full) in zip(pre, sizes)]
-
-    @classmethod
-    def _made(cls, ids, target, valid, full_row, local, owned, k_loc: int, n_full: int, lay) -> "SetRows":
-        is_t = (ids == target.unsqueeze(-1)) & (ids >= 0)
-        in_set = valid & (full_row | is_t.any(-1))
-        order = owned.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[:, :k_loc]
-        kept = owned.gather(1, order)
-        cols = torch.where(kept, local.gather(1, order), 0)
-        t_here = is_t.gather(1, order) & kept
-        full = full_row.nonzero()[:, 0] if n_full else full_row.new_zeros((0,), dtype=torch.int64)
-        t_full = target[full] - lay.offset
-        full_owned = (t_full >= 0) & (t_full < lay.local_size)
-        return cls(cols, kept, t_here.to(torch.uint8).argmax(-1) if k_loc else torch.zeros_like(target),
-                   t_here.any(-1), valid, in_set, full, t_full.clamp(0, max(lay.local_size - 1, 0)), full_owned)
+        made = kernels.set_rows_on_shard(ids, target, heights, lay.offset, lay.local_size, call.spec.ignore_index,
+                                         call.kernels)
+        cols, kept, tpos, (t_owned, valid, in_set, full_row), sizes = made or _rows_torch(ids, target, heights, call)
+        k_max = max((k for k, _ in sizes), default=0)
+        if 2 * k_max <= cols.shape[1]:  # (the kernel's rows are K wide: kept for the backward, keep K_loc)
+            cols, kept = cols[:, :k_max].contiguous(), kept[:, :k_max].contiguous()
+        none = torch.empty((0,), dtype=torch.int64, device=ids.device)
+        out, lo = [], 0
+        for height, (k_loc, n_full) in zip(heights, sizes):
+            sl = slice(lo, lo + height)
+            lo += height
+            full, full_t, full_owned = none, none, valid[:0]
+            if n_full:
+                full = full_row[sl].nonzero()[:, 0]
+                full_t = target[sl][full] - lay.offset
+                full_owned = (full_t >= 0) & (full_t < lay.local_size)
+                full_t = full_t.clamp(0, max(lay.local_size - 1, 0))
+            out.append(cls(cols[sl, :k_loc], kept[sl, :k_loc], tpos[sl], t_owned[sl], valid[sl], in_set[sl], full,
+                           full_t, full_owned))
+        return out
 
     def over_shard(self, width: int) -> "SetRows":
         """These rows' sets over the whole ``width``-column shard (the batch-invariant mode's, whose
@@ -90,15 +89,46 @@ class SetRows:
                        full_t=none, full_owned=t_owned[:0])
 
 
+def _rows_torch(ids: torch.Tensor, target: torch.Tensor, heights: list[int], call: Call):
+    """The torch steps of :meth:`SetRows.of_chunks` over all the rows (what the kernel of
+    :mod:`vparallel_ce.kernels.set_rows` does in one launch): ``(cols, kept, tpos, (t_owned, valid,
+    in_set, full), sizes)``, ``cols``/``kept`` as wide as the chunks' largest ``K_loc``."""
+    lay = call.layout
+    valid = target != call.spec.ignore_index
+    full_row = (ids < 0).all(-1) & valid
+    local = ids - lay.offset
+    owned = (ids >= 0) & (local >= 0) & (local < lay.local_size) & (valid & ~full_row).unsqueeze(-1)
+    count = owned.sum(-1)
+    widths, lo = [], 0
+    for height in heights:
+        part = count[lo:lo + height]
+        most = part.amax() if part.numel() else count.new_zeros(())
+        widths.append(torch.stack([most, full_row[lo:lo + height].sum()]))
+        lo += height
+    sizes = torch.stack(widths).tolist()
+    k_max = max((k for k, _ in sizes), default=0)
+    is_t = (ids == target.unsqueeze(-1)) & (ids >= 0)
+    in_set = valid & (full_row | is_t.any(-1))
+    order = owned.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[:, :k_max]
+    kept = owned.gather(1, order)
+    cols = torch.where(kept, local.gather(1, order), 0)
+    t_here = is_t.gather(1, order) & kept
+    tpos = t_here.to(torch.uint8).argmax(-1) if k_max else torch.zeros_like(target)
+    return cols, kept, tpos, (t_here.any(-1), valid, in_set, full_row), sizes
+
+
 class SetChunk:
     """A chunk's set logits ``[c, K_loc]`` (``-inf`` off the kept ids) and whole-vocab rows'
     logits ``[f, V_loc]`` (``-inf`` below their mask's threshold), in the logits' dtype."""
 
-    def __init__(self, rows: SetRows, set_x: torch.Tensor, full_x: torch.Tensor | None, ops=None):
+    def __init__(self, rows: SetRows, set_x: torch.Tensor, full_x: torch.Tensor | None, ops=None, *,
+                 masked: bool = False):
         self.rows = rows
-        self.set_x = set_x.masked_fill(~rows.kept, float("-inf"))
+        # (masked: ``set_x`` is already -inf off the kept ids, as a forward's kept for its backward)
+        self.set_x = set_x if masked else set_x.where(rows.kept, float("-inf"))
         self.full_x = full_x
-        # the row steps: the torch reference, or the batch-invariant mode's (over whole shard rows)
+        # the row steps of the call's backend (one launch each with the kernels), or the batch-invariant
+        # mode's (over whole shard rows); None: the torch reference
         self.local_stats = local_stats if ops is None else ops.local_stats
         self.grad_logits = grad_logits if ops is None else ops.grad_logits
 
@@ -133,10 +163,9 @@ class SetChunk:
 
 
 def _outputs(st, rows: SetRows):
-    zero = torch.zeros_like(st.lse)
-    logp = torch.where(rows.in_set, (st.target - st.max) - st.log_s, zero)
-    logp = torch.where(rows.valid & ~rows.in_set, float("-inf"), logp)
-    entropy = torch.where(rows.valid, st.entropy, zero) if st.entropy is not None else zero
+    # in its set: z_t - m - log S; a valid token whose target is not: -inf; an ignored token: 0
+    logp = torch.where(rows.in_set, (st.target - st.max) - st.log_s, torch.where(rows.valid, float("-inf"), 0.0))
+    entropy = torch.where(rows.valid, st.entropy, 0.0) if st.entropy is not None else torch.zeros_like(st.lse)
     return logp, entropy
 
 

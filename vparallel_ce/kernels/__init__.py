@@ -30,7 +30,8 @@ from .config import _INTERPRETING  # a constant read at import, tested on every 
 
 __all__ = ["KernelChoice", "KernelSettings", "settings", "use", "KernelBackend", "FusedLinear", "RowGemm",
            "GatheredRows", "TORCH_GATHERED", "ops_for",
-           "invariant_ops", "fused_applies", "triton_applies", "target_facts", "word_checksum",
+           "invariant_ops", "fused_applies", "triton_applies", "target_facts", "word_checksum", "set_rows_on_shard",
+           "support_bad_rows",
            "TORCH_OPS", "is_fake"]
 
 
@@ -176,3 +177,42 @@ def word_checksum(words):
         return None
     modules = _modules()
     return None if modules is None else modules[2].word_checksum(words)
+
+
+@functools.cache
+def _set_rows_module():
+    """:mod:`.set_rows`, or None where Triton is missing or fails to import (imported on first use)."""
+    try:
+        from . import set_rows
+    except Exception:
+        return None
+    return set_rows
+
+
+def _set_rows_for(ids, current: KernelSettings | None):
+    """:mod:`.set_rows` for int64 ``[n, K]`` ids on CUDA (or under the interpreter) unless the
+    settings choose ``torch``; else None."""
+    current = current or settings()
+    if current.choice is KernelChoice.TORCH or ids.dtype != torch.int64 or ids.dim() != 2:
+        return None
+    if not (ids.is_cuda or _INTERPRETING) or is_fake(ids):
+        return None
+    return _set_rows_module()
+
+
+def set_rows_on_shard(ids, target, heights, offset: int, local_size: int, ignore_index: int,
+                      current: KernelSettings | None = None):
+    """The Triton version of :meth:`vparallel_ce.set_chunk.SetRows.of_chunks`'s per-row steps
+    (:func:`.set_rows.set_rows`: one launch for every chunk of a call) for int64 CUDA ids, or None
+    where it does not apply (CPU, no Triton, the ``torch`` choice): the caller then runs the torch
+    steps. ``current``: as in :func:`ops_for`."""
+    module = _set_rows_for(ids, current)
+    return None if module is None else module.set_rows(ids, target, heights, offset, local_size, ignore_index)
+
+
+def support_bad_rows(ids, target, ignore_index: int, vocab_size: int, current: KernelSettings | None = None):
+    """The Triton version of the sampling set's values check (:func:`.set_rows.bad_rows`: the first
+    bad row of each kind, one launch after a row sort) for int64 CUDA ids, or None where it does
+    not apply: the caller then runs the torch steps. ``current``: as in :func:`ops_for`."""
+    module = _set_rows_for(ids, current)
+    return None if module is None else module.bad_rows(ids, target, ignore_index, vocab_size)

@@ -43,14 +43,17 @@ class GatheredRows:
     """The lm_head over each token's own weight rows (the sampling set's gather mode,
     :mod:`vparallel_ce.gathered_rows` for the math), over chunks with ``cols [c, K]`` local weight
     rows per token (``-1``: none): ``logits(parts, w, b, out_dtype) -> [x [c, K]]`` of the chunks
-    ``(cols, h)``, all at once; ``hidden_grad(d, cols, w) -> dh [c, H]`` of one chunk (fp32 for fp32
-    ``d``); ``weight_grad(parts, w, out_dtype, base, db) -> dW`` of the chunks ``(d, cols, h)``,
-    all at once, its fp32 sums rounded once (``db`` added to)."""
+    ``(cols, h)``, all at once; ``hidden_grad(d, cols, w, out=None) -> dh [c, H]`` of one chunk (fp32
+    for fp32 ``d``; written into ``out`` if given); ``weight_grad(parts, w, out_dtype, base, db) -> dW`` of the chunks ``(d, cols, h)``,
+    all at once, its fp32 sums rounded once (``db`` added to). ``pairs(cols_list, w)``: what
+    ``logits`` and ``weight_grad`` both make of the chunks' ``cols`` (the kernels' sort of the
+    pairs by weight row; None: nothing), made once per call and passed to both as ``by_row=``."""
 
     name: str
     logits: Callable
     hidden_grad: Callable
     weight_grad: Callable
+    pairs: Callable = lambda cols, w: None
 
 
 TORCH_GATHERED = GatheredRows("torch", gathered_rows.logits, gathered_rows.hidden_grad,
