@@ -3,6 +3,8 @@ r"""Triton kernels for the two per-chunk steps of :mod:`vparallel_ce.stats`.
 * :func:`local_stats` -- ONE read of a ``[c, W]`` block of logits (bf16/fp16/fp32) per call: one
   program per row walks the row in ``BLOCK``-wide tiles with an online max / sum-exp in fp32, and
   also returns the target logit (one scalar load) and, with label smoothing, ``sum_j z_j``.
+* :func:`merge_blocks` -- the statistics of a chunk's vocab blocks merged in one kernel (plus the
+  running max and torch's exponentials): a handful of launches per chunk, not a dozen per block.
 * :func:`grad_logits` -- one read of the logits, one write of the gradient in the logits' dtype.
 * :func:`grad_logits_` -- the same, written over the logits (the op must own that buffer: the
   ``linear_cross_entropy`` schedules' per-chunk logits are temporaries). Each element is read and
@@ -29,7 +31,7 @@ from . import gathered_rows, triton_distill
 from .backend import KernelBackend
 from .config import interpreting
 
-__all__ = ["OPS", "local_stats", "grad_logits", "grad_logits_", "loss_stats_grad_", "scale_rows"]
+__all__ = ["OPS", "local_stats", "merge_blocks", "grad_logits", "grad_logits_", "loss_stats_grad_", "scale_rows"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -138,12 +140,21 @@ def _row_grad(xb, db, W, t, shift, a, b, sub, hit, cap, inv_cap, inv_t, t_over_c
 
 
 @triton.jit
-def _store_row_stats(base, row, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, cap, inv_cap, inv_t, HAS_CAP: tl.constexpr,
-                     HAS_T: tl.constexpr, SMOOTH: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
+def _block_target(T, OWN, row, col0, W):
+    """A row's target relative to a block of ``W`` columns starting at column ``col0`` of its shard:
+    ``(index clamped into the block, owned by the block)`` (:func:`stats.block_targets`)."""
+    t = tl.load(T + row).to(tl.int64) - col0
+    own = (tl.load(OWN + row) != 0) & (t >= 0) & (t < W)
+    return tl.minimum(tl.maximum(t, 0), W - 1), own
+
+
+@triton.jit
+def _store_row_stats(base, row, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, col0, cap, inv_cap, inv_t,
+                     HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, SMOOTH: tl.constexpr, ENTROPY: tl.constexpr,
+                     BLOCK: tl.constexpr):
     """A row's :class:`stats.ChunkStats` stored (the target logit read where the row owns it)."""
     m, s, e, tot, _, _ = _row_stats(base, W, cap, inv_cap, inv_t, HAS_CAP, HAS_T, SMOOTH, ENTROPY, False, BLOCK)
-    t = tl.load(T + row)
-    own = tl.load(OWN + row) != 0
+    t, own = _block_target(T, OWN, row, col0, W)
     xt = _z(tl.load(base + t).to(tl.float32), cap, inv_cap, inv_t, HAS_CAP, HAS_T)
     tl.store(MAX + row, m)
     tl.store(SUMEXP + row, s)
@@ -155,17 +166,17 @@ def _store_row_stats(base, row, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, cap, inv
 
 @triton.jit
 def _stats_kernel(
-    X, stride_x, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, cap, inv_cap, inv_t,
+    X, stride_x, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, col0, cap, inv_cap, inv_t,
     HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, SMOOTH: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    _store_row_stats(X + row * stride_x, row, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, cap, inv_cap, inv_t, HAS_CAP,
-                     HAS_T, SMOOTH, ENTROPY, BLOCK)
+    _store_row_stats(X + row * stride_x, row, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, col0, cap, inv_cap, inv_t,
+                     HAS_CAP, HAS_T, SMOOTH, ENTROPY, BLOCK)
 
 
 @triton.jit
 def _grad_kernel(
-    X, stride_x, D, stride_d, T, OWN, SHIFT, CA, CB, CC, CD, W, cap, inv_cap, inv_t, t_over_cap,
+    X, stride_x, D, stride_d, T, OWN, SHIFT, CA, CB, CC, CD, W, col0, cap, inv_cap, inv_t, t_over_cap,
     HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, HAS_B: tl.constexpr, HAS_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -175,8 +186,9 @@ def _grad_kernel(
     sub = 0.0
     if HAS_D:
         sub = tl.load(CD + row).to(tl.float32)
-    hit = tl.where(tl.load(OWN + row) != 0, tl.load(CC + row).to(tl.float32), 0.0)
-    _row_grad(X + row * stride_x, D + row * stride_d, W, tl.load(T + row), tl.load(SHIFT + row).to(tl.float32),
+    t, own = _block_target(T, OWN, row, col0, W)
+    hit = tl.where(own, tl.load(CC + row).to(tl.float32), 0.0)
+    _row_grad(X + row * stride_x, D + row * stride_d, W, t, tl.load(SHIFT + row).to(tl.float32),
               tl.load(CA + row).to(tl.float32), b, sub, hit, cap, inv_cap, inv_t, t_over_cap, HAS_CAP, HAS_T, HAS_B,
               HAS_D, BLOCK, False)
 
@@ -226,6 +238,39 @@ def _loss_grad_kernel(
     a = tl.where(valid, a / s, 0.0)  # exactly 0 on an ignored row, whose s may be nan or 0
     _row_grad(base, base, W, t, m, a, 0.0, r * eps_v, tl.where(own, r * keep_t, 0.0), cap, inv_cap, inv_t,
               t_over_cap, HAS_CAP, HAS_T, False, SMOOTH, BLOCK, True)
+
+
+@triton.jit
+def _merge_blocks_kernel(P, stride_p, D, E, stride_d, OUT, c, k, ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
+    # stats.merge folded over the blocks, a row per lane: the same operations in the same order (the
+    # launch turns off fp contraction), the exponentials torch's (stats.merge_blocks, E = exp(D))
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < c
+    s = tl.load(P + c + rows, mask=mask, other=0.0)
+    tgt = tl.load(P + 2 * c + rows, mask=mask, other=0.0)
+    tot = tl.load(P + 3 * c + rows, mask=mask, other=0.0)
+    z = 0.0
+    if ENTROPY:
+        z = tl.load(P + 4 * c + rows, mask=mask, other=0.0)
+    for b in range(1, k):
+        base = P + b * stride_p
+        sb = tl.load(base + c + rows, mask=mask, other=0.0)
+        da = tl.load(D + (b - 1) * c + rows, mask=mask, other=0.0)  # M_{b-1} - M_b
+        db = tl.load(D + stride_d + (b - 1) * c + rows, mask=mask, other=0.0)  # m_b - M_b
+        ea = tl.load(E + (b - 1) * c + rows, mask=mask, other=0.0)
+        eb = tl.load(E + stride_d + (b - 1) * c + rows, mask=mask, other=0.0)
+        if ENTROPY:
+            zb = tl.load(base + 4 * c + rows, mask=mask, other=0.0)
+            za = tl.where(s == 0, 0.0, (z + tl.where(s == 0, 0.0, da) * s) * ea)
+            z = za + tl.where(sb == 0, 0.0, (zb + tl.where(sb == 0, 0.0, db) * sb) * eb)
+        s = tl.where(s == 0, s, s * ea) + tl.where(sb == 0, sb, sb * eb)
+        tgt = tgt + tl.load(base + 2 * c + rows, mask=mask, other=0.0)
+        tot = tot + tl.load(base + 3 * c + rows, mask=mask, other=0.0)
+    tl.store(OUT + c + rows, s, mask=mask)
+    tl.store(OUT + 2 * c + rows, tgt, mask=mask)
+    tl.store(OUT + 3 * c + rows, tot, mask=mask)
+    if ENTROPY:
+        tl.store(OUT + 4 * c + rows, z, mask=mask)
 
 
 @triton.jit
@@ -295,26 +340,58 @@ def _transform_args(spec):
                                                                      HAS_T=temp != 1.0)
 
 
-def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, spec) -> stats.ChunkStats:
-    """Drop-in for :func:`vparallel_ce.stats.local_stats`."""
+def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, spec, *,
+                col_offset: int | None = None, out: torch.Tensor | None = None) -> stats.ChunkStats:
+    """Drop-in for :func:`vparallel_ce.stats.local_stats` (the block's targets mapped in the
+    kernel, the statistics written into ``out``'s rows: one launch, no allocation)."""
     c, width = x.shape if x.dim() == 2 else (0, 0)
-    if not _covered(x) or width == 0 or c == 0:
-        return stats.local_stats(x, local_target, owned, spec)
+    if not _covered(x) or width == 0 or c == 0 or (out is not None and not _rows_out(out, c)):
+        return stats.local_stats(x, local_target, owned, spec, col_offset=col_offset, out=out)
     x = _rowwise(x)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    m, se, tg, sm = (torch.empty(c, **f32) for _ in range(4))
-    zexp = torch.empty(c, **f32) if spec.entropy else sm  # a dummy pointer without entropy
+    if out is None:
+        out = torch.empty((5 if spec.entropy else 4, c), dtype=torch.float32, device=x.device)
+    m, se, tg, sm = out[:4]
+    zexp = out[4] if spec.entropy else sm  # a dummy pointer without entropy
     own = _int8(owned)
     block, warps = _stats_launch_cfg(width, x.element_size())
     args, flags = _transform_args(spec)
     _stats_kernel[(c,)](
-        x, x.stride(0), local_target.contiguous(), own, m, se, tg, sm, zexp, width, args["cap"], args["inv_cap"],
-        args["inv_t"], SMOOTH=spec.label_smoothing > 0, ENTROPY=spec.entropy, BLOCK=block, num_warps=warps, **flags,
+        x, x.stride(0), local_target.contiguous(), own, m, se, tg, sm, zexp, width, col_offset or 0, args["cap"],
+        args["inv_cap"], args["inv_t"], SMOOTH=spec.label_smoothing > 0, ENTROPY=spec.entropy, BLOCK=block,
+        num_warps=warps, **flags,
     )
     return stats.ChunkStats(m, se, tg, sm, zexp if spec.entropy else None)
 
 
-def _grad(x, out, local_target, owned, shift, coefs, spec):
+def _rows_out(out: torch.Tensor, c: int) -> bool:
+    """Whether the kernels can write statistics into ``out``: fp32 ``[5, c]``, contiguous."""
+    return out.dtype == torch.float32 and out.shape == (5, c) and out.is_contiguous()
+
+
+def merge_blocks(parts: torch.Tensor, spec) -> stats.ChunkStats:
+    """Drop-in for :func:`vparallel_ce.stats.merge_blocks`, in five launches whatever the block
+    count: the running max (a cumulative max, exact), the two differences to it and their
+    exponentials (torch's, so each bit is the per-block merge's), then one kernel folding the
+    sums over the blocks with the reference's operations in its order."""
+    k, _, c = parts.shape
+    if k == 1 or not (parts.is_cuda or _interpreting()) or parts.dtype != torch.float32 \
+            or not parts.is_contiguous() or c == 0:
+        return stats.merge_blocks(parts, spec)
+    running = torch.cummax(parts[:, 0], dim=0).values
+    diffs = torch.empty((2, k - 1, c), dtype=parts.dtype, device=parts.device)
+    torch.sub(running[:-1], running[1:], out=diffs[0])
+    torch.sub(parts[1:, 0], running[1:], out=diffs[1])
+    exps = torch.exp(diffs)
+    out = torch.empty((5, c), dtype=parts.dtype, device=parts.device)
+    block = 128
+    _merge_blocks_kernel[(triton.cdiv(c, block),)](
+        parts, parts.stride(0), diffs, exps, diffs.stride(0), out, c, k, ENTROPY=spec.entropy, BLOCK=block,
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return stats.ChunkStats(running[-1], out[1], out[2], out[3], out[4] if spec.entropy else None)
+
+
+def _grad(x, out, local_target, owned, shift, coefs, spec, col_offset):
     c, width = x.shape
     own = _int8(owned)
     block, warps = _launch_cfg(width, x.element_size())
@@ -327,27 +404,28 @@ def _grad(x, out, local_target, owned, shift, coefs, spec):
     _grad_kernel[(c,)](
         x, x.stride(0), out, out.stride(0), local_target.contiguous(), own, f32(shift), a,
         a if coefs.b is None else f32(coefs.b), f32(coefs.c), a if coefs.d is None else f32(coefs.d), width,
-        args["cap"], args["inv_cap"], args["inv_t"], float(spec.temperature) / args["cap"],
+        col_offset or 0, args["cap"], args["inv_cap"], args["inv_t"], float(spec.temperature) / args["cap"],
         HAS_B=coefs.b is not None, HAS_D=coefs.d is not None, BLOCK=block, num_warps=warps, **flags,
     )
     return out
 
 
-def grad_logits(x, local_target, owned, shift, coefs, spec, out_dtype=None) -> torch.Tensor:
-    """Drop-in for :func:`vparallel_ce.stats.grad_logits`."""
+def grad_logits(x, local_target, owned, shift, coefs, spec, out_dtype=None, *,
+                col_offset: int | None = None) -> torch.Tensor:
+    """Drop-in for :func:`vparallel_ce.stats.grad_logits` (the block's targets mapped in the kernel)."""
     out_dtype = out_dtype or x.dtype
     if not _covered(x) or out_dtype not in _DTYPES or x.shape[0] == 0 or x.shape[1] == 0:
-        return stats.grad_logits(x, local_target, owned, shift, coefs, spec, out_dtype)
+        return stats.grad_logits(x, local_target, owned, shift, coefs, spec, out_dtype, col_offset=col_offset)
     x = _rowwise(x)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    return _grad(x, out, local_target, owned, shift, coefs, spec)
+    return _grad(x, out, local_target, owned, shift, coefs, spec, col_offset)
 
 
-def grad_logits_(x, local_target, owned, shift, coefs, spec) -> torch.Tensor:
+def grad_logits_(x, local_target, owned, shift, coefs, spec, *, col_offset: int | None = None) -> torch.Tensor:
     """:func:`grad_logits` written over ``x`` (in the logits' dtype); returns ``x``."""
     if not _covered(x) or x.stride(-1) != 1 or x.shape[0] == 0 or x.shape[1] == 0:
-        return x.copy_(stats.grad_logits(x, local_target, owned, shift, coefs, spec))
-    return _grad(x, x, local_target, owned, shift, coefs, spec)
+        return x.copy_(stats.grad_logits(x, local_target, owned, shift, coefs, spec, col_offset=col_offset))
+    return _grad(x, x, local_target, owned, shift, coefs, spec, col_offset)
 
 
 def loss_stats_grad_(x, target, n_valid, reduction, spec, *, with_top1: bool = False, block: int | None = None,
@@ -412,4 +490,5 @@ def reduce(per_token: torch.Tensor, n_valid: torch.Tensor | None, reduction: str
 
 
 OPS = KernelBackend("triton", local_stats, grad_logits, loss_stats_grad_, scale_rows, grad_logits_=grad_logits_,
-                    distill=triton_distill.STEPS, reduce=reduce, gathered=gathered_rows.GATHERED)
+                    distill=triton_distill.STEPS, reduce=reduce, gathered=gathered_rows.GATHERED,
+                    merge_blocks=merge_blocks)
