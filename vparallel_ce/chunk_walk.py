@@ -322,18 +322,19 @@ class Schedule:
         epilogue, the logits never written."""
         return ops.fused is not None and ops.fused.covers(h_c, w, call.spec)
 
-    def statistics(self, call: Call, ops, h_c, w, b, targets: "ChunkTargets", *, on_block=None):
+    def statistics(self, call: Call, ops, h_c, w, b, targets: "ChunkTargets", *, on_block=None, join=True):
         """Global statistics of chunk ``c``'s rows ``h_c``: local statistics block by block, merged,
         one exchange. Returns them and the kept blocks' logits (empty unless ``keep_logits``).
         Fused, the whole shard is one GEMM whose epilogue makes the statistics (no logits, so no
         blocks: its memory is per-(256-column tile, row) partials). Unfused, the first block's GEMM
         is queued before the targets' small kernels, whose launches then overlap it.
         ``on_block(blk, x)``: also shown each block's logits ``x`` (read only), in block order;
-        the statistics are then never fused (their logits must exist)."""
+        the statistics are then never fused (their logits must exist). ``join=False`` on a rank
+        holding the whole vocab: the merged local :class:`~vparallel_ce.stats.ChunkStats`, for a
+        caller that makes the chunks' :func:`~vparallel_ce.stats.whole_vocab` once for all of them."""
         if not self.keep_logits and on_block is None and self.fused(ops, call, h_c, w):
             local_t, owned, _ = targets()
-            return combine(ops.fused.stats(h_c, w, b, local_t, owned, call.spec), call.layout,
-                           rank_ordered=call.batch_invariant), []
+            return self._joined(call, ops.fused.stats(h_c, w, b, local_t, owned, call.spec), join), []
         st, parts, kept = None, None, []
         for i, blk in enumerate(self.blocks):
             x = logits(call, h_c, _part(w, blk), None if b is None else _part(b, blk))
@@ -348,7 +349,13 @@ class Schedule:
                 kept.append(x)
             del x  # else the next block's logits are allocated while this one's are still alive
         acc = st if parts is None else ops.merge_blocks(parts, call.spec)
-        return combine(acc, call.layout, rank_ordered=call.batch_invariant), kept
+        return self._joined(call, acc, join), kept
+
+    @staticmethod
+    def _joined(call: Call, st, join: bool):
+        if not join and not call.layout.sharded:
+            return st
+        return combine(st, call.layout, rank_ordered=call.batch_invariant)
 
     def gradients(self, call: Call, ops, rows: Rows, c: int, h_c, w, b, local_t, owned, shift, coefs,
                   kept: list, grads: Grads) -> None:

@@ -20,7 +20,7 @@ assumption), logits of any magnitude (statistics relative to the running max, wh
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import itertools
 
 import torch
 
@@ -35,7 +35,7 @@ from .gemm import matmul_inputs
 from .policy import ChunkPolicy
 from .sampling_masks import SamplingMasks
 from .sampling_set import check_support, check_support_values, linear_set_logprobs, set_chunks, set_logprobs
-from .stats import GradCoefs, compute_dtype, logprob_grad_coefs
+from .stats import ChunkStats, GradCoefs, TokenStats, compute_dtype, logprob_grad_coefs, whole_vocab
 
 __all__ = ["token_logprobs", "linear_token_logprobs"]
 
@@ -208,13 +208,12 @@ def _outputs(st, valid):
     return logp, entropy
 
 
-class _Joined(NamedTuple):
-    """The statistics :func:`_outputs` reads, of the call's rows."""
-
-    max: torch.Tensor
-    log_s: torch.Tensor
-    target: torch.Tensor
-    entropy: torch.Tensor | None
+def _joined(chunks: list, joined: bool):
+    """The chunks' statistics as one :class:`~vparallel_ce.stats.TokenStats` of the call's rows:
+    theirs concatenated (``joined``), or their local ``ChunkStats`` (a rank holding the whole vocab)
+    concatenated and joined once by :func:`~vparallel_ce.stats.whole_vocab`."""
+    fields = [None if f[0] is None else cat_parts(list(f)) for f in zip(*chunks)]
+    return TokenStats(*fields) if joined else whole_vocab(ChunkStats(*fields))
 
 
 def _chunk_coefs(coefs: GradCoefs, sl: slice) -> GradCoefs:
@@ -268,23 +267,24 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             keep = Schedule.keeps_for_backward(call, need)
             sched = Schedule.of(call, keep_logits=keep)
             rows = sched.rows(call)
-            # the chunks' statistics joined, then the outputs made once for the call's rows (the
-            # same elementwise operations as chunk by chunk, a handful of launches per call)
-            parts, valid, spans, ctx.kept = [], [], [], KeptLogits()
+            # the outputs made once for the call's rows from its chunks' statistics (the same
+            # elementwise steps as chunk by chunk: a few launches per call, not per chunk)
+            chunks, valid, ctx.kept = [], [], KeptLogits()
             for c, h_c, t_c, targets in sched.walk(call, rows, hm, t, Schedule.call_targets(call, rows, t)):
-                st, kept = sched.statistics(call, ops, h_c, wm, bm, targets)
+                st, kept = sched.statistics(call, ops, h_c, wm, bm, targets, join=call.layout.sharded)
                 if keep:
                     ctx.kept.add(kept)
-                parts.append((st.max, st.log_s, st.target) + ((st.entropy,) if st.entropy is not None else ()))
+                chunks.append(st)
                 valid.append(targets()[2])
-                spans.append(slice(spans[-1].stop if spans else 0, (spans[-1].stop if spans else 0) + t_c.shape[0]))
-            m, log_s, target, *ent = (cat_parts(list(f)) for f in zip(*parts))
-            logp, entropy = _outputs(_Joined(m, log_s, target, ent[0] if ent else None), cat_parts(valid))
-            ctx.save_for_backward(h, w, b, t, torch.stack([m, log_s]), entropy)
+            st = _joined(chunks, call.layout.sharded)
+            logp, entropy = _outputs(st, cat_parts(valid))
+            ctx.save_for_backward(h, w, b, t, torch.stack([st.max, st.log_s]), entropy)
             ctx.call = call
             ctx.set_materialize_grads(False)
-            if call.sequence_parallel:  # this rank's rows of each chunk
-                logp, entropy = (torch.cat([rows.own(c, x[sl]) for c, sl in enumerate(spans)]) for x in (logp, entropy))
+            if call.sequence_parallel:  # this rank's rows of each chunk's gathered ones
+                ends = list(itertools.accumulate(v.shape[0] for v in valid))
+                logp, entropy = (torch.cat([rows.own(c, x[end - v.shape[0] : end])
+                                            for c, (v, end) in enumerate(zip(valid, ends))]) for x in (logp, entropy))
             return call.settle_forward(ctx, logp, entropy)
 
     @staticmethod
