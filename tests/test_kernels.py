@@ -132,6 +132,7 @@ _INTERPRETER_CHECKS = textwrap.dedent(
     # as given the block's targets (block_targets) -- and the blocks' statistics, written into one
     # buffer, are merged by one fold kernel, bitwise as merge block by block; rows whose
     # logits are all -inf in a block (a zero sum), hold a nan or a +inf, or are ignored
+    from vparallel_ce.kernels import block_merge
     for opts in (dict(entropy=True, temperature=0.7), dict(label_smoothing=0.1)):
         spec = stats.LossSpec(700, -100, **opts)
         x = torch.randn(7, 700) * 6
@@ -148,7 +149,7 @@ _INTERPRETER_CHECKS = textwrap.dedent(
             bt, bo = stats.block_targets(lt, own, blk.start, blk.stop)
             for r, g in zip(tc.local_stats(x[:, blk], bt, bo, spec), got):
                 assert (r is None) == (g is None) and (r is None or torch.equal(r.nan_to_num(), g.nan_to_num())), opts
-        ref, got = stats.merge_blocks(parts, spec), tc.merge_blocks(parts, spec)
+        ref, got = stats.merge_blocks(parts, spec), block_merge.merge_blocks(parts, spec)
         for name, r, g in zip(ref._fields, ref, got):
             assert (r is None) == (g is None), name
             if r is not None:

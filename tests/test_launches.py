@@ -64,9 +64,9 @@ _COUNT = textwrap.dedent(
     def launches(entropy, chunks, policy):
         global counter
         g = torch.Generator().manual_seed(0)
-        h = torch.randn(16, 64, generator=g).requires_grad_()
+        h = torch.randn(8, 64, generator=g).requires_grad_()
         w = (torch.randn(512, 64, generator=g) / 8).requires_grad_()
-        t = torch.randint(0, 512, (16,), generator=g)
+        t = torch.randint(0, 512, (8,), generator=g)
         t[::3] = -100
         counter = Launches()
         with counter:
@@ -77,7 +77,7 @@ _COUNT = textwrap.dedent(
         return counter.count
 
     def vocab(blocks):  # the budget of one block's fp32 logits: blocks of 512 / blocks columns
-        return ChunkPolicy(budget_bytes=16 * 512 * 4 // blocks, compact=False)
+        return ChunkPolicy(budget_bytes=8 * 512 * 4 // blocks, compact=False)
 
     found = {}
     with kernels.use("triton"):

@@ -99,8 +99,7 @@ def _grad_in_place(ops, x, local_t, owned, shift, coefs, spec, col_offset):
 
 
 def _block_offset(blk: slice, width: int) -> int | None:
-    """The ``col_offset`` of a vocab block of a ``width``-column shard for the row passes, which map
-    the shard's targets to it (in their kernel, on the Triton path); None for the whole shard."""
+    """The ``col_offset`` of a block of a ``width``-column shard for the row passes (None: all of it)."""
     return None if blk.start == 0 and blk.stop >= width else blk.start
 
 
@@ -274,13 +273,11 @@ class Schedule:
 
     @staticmethod
     def call_targets(call: Call, rows: Rows, t: torch.Tensor) -> list | None:
-        """The ``(t_c, local_t, owned, valid)`` of each chunk for :meth:`walk`, mapped once for the
-        call's rows (a few launches per call, not per chunk); None with sequence parallelism, whose
-        chunks' targets are gathered over the group chunk by chunk."""
+        """Each chunk's ``(t_c, local_t, owned, valid)`` for :meth:`walk`, mapped once for the call's
+        rows; None with sequence parallelism (the chunks' targets are gathered chunk by chunk)."""
         if call.sequence_parallel:
             return None
-        lay, spec = call.layout, call.spec
-        known = local_targets(t, lay.offset, lay.local_size, spec.ignore_index, all_owned=call.all_owned)
+        known = ChunkTargets(call, t)()
         return [(_part(t, sl), *(_part(k, sl) for k in known)) for sl in rows.local]
 
     @staticmethod
@@ -325,18 +322,16 @@ class Schedule:
     def statistics(self, call: Call, ops, h_c, w, b, targets: "ChunkTargets", *, on_block=None, join=True):
         """Global statistics of chunk ``c``'s rows ``h_c``: local statistics block by block, merged,
         one exchange. Returns them and the kept blocks' logits (empty unless ``keep_logits``).
-        Fused, the whole shard is one GEMM whose epilogue makes the statistics (no logits, so no
-        blocks: its memory is per-(256-column tile, row) partials). Unfused, the first block's GEMM
-        is queued before the targets' small kernels, whose launches then overlap it.
+        Fused, the whole shard is one GEMM whose epilogue makes the statistics (no logits, no blocks:
+        its memory is per-(256-column tile, row) partials); unfused, a GEMM per block.
         ``on_block(blk, x)``: also shown each block's logits ``x`` (read only), in block order;
-        the statistics are then never fused (their logits must exist). ``join=False`` on a rank
-        holding the whole vocab: the merged local :class:`~vparallel_ce.stats.ChunkStats`, for a
-        caller that makes the chunks' :func:`~vparallel_ce.stats.whole_vocab` once for all of them."""
+        the statistics are then never fused (their logits must exist). ``join=False``: on one rank
+        the local ``ChunkStats``, for a caller joining its chunks' once (``stats.whole_vocab``)."""
+        st, parts, kept = None, None, []
         if not self.keep_logits and on_block is None and self.fused(ops, call, h_c, w):
             local_t, owned, _ = targets()
-            return self._joined(call, ops.fused.stats(h_c, w, b, local_t, owned, call.spec), join), []
-        st, parts, kept = None, None, []
-        for i, blk in enumerate(self.blocks):
+            st = ops.fused.stats(h_c, w, b, local_t, owned, call.spec)
+        for i, blk in enumerate(self.blocks if st is None else ()):
             x = logits(call, h_c, _part(w, blk), None if b is None else _part(b, blk))
             local_t, owned, _ = targets()
             if parts is None and len(self.blocks) > 1:  # each block's statistics, merged once after the last
@@ -348,14 +343,10 @@ class Schedule:
             if self.keep_logits:
                 kept.append(x)
             del x  # else the next block's logits are allocated while this one's are still alive
-        acc = st if parts is None else ops.merge_blocks(parts, call.spec)
-        return self._joined(call, acc, join), kept
-
-    @staticmethod
-    def _joined(call: Call, st, join: bool):
-        if not join and not call.layout.sharded:
-            return st
-        return combine(st, call.layout, rank_ordered=call.batch_invariant)
+        st = st if parts is None else ops.merge_blocks(parts, call.spec)
+        if join or call.layout.sharded:
+            st = combine(st, call.layout, rank_ordered=call.batch_invariant)
+        return st, kept
 
     def gradients(self, call: Call, ops, rows: Rows, c: int, h_c, w, b, local_t, owned, shift, coefs,
                   kept: list, grads: Grads) -> None:

@@ -165,8 +165,7 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
     per-row sum over the block (:func:`vparallel_ce.invariant.block_row_sum`: in a fixed order).
     ``col_offset``: ``x`` is the block of a shard starting at that column, and ``local_target`` /
     ``owned`` are relative to the shard (:func:`block_targets` maps them); None: to ``x`` itself.
-    ``out``: a ``[5, c]`` buffer in the compute dtype the statistics are written into (rows in
-    :class:`ChunkStats` order; the last unwritten without entropy), for :func:`merge_blocks`."""
+    ``out``: a ``[5, c]`` compute-dtype buffer for the statistics (:class:`ChunkStats` order)."""
     if col_offset is not None:
         local_target, owned = block_targets(local_target, owned, col_offset, col_offset + x.shape[-1])
     st = _local_stats(x, local_target, owned, spec, row_sum)
@@ -238,10 +237,9 @@ def merge(a: ChunkStats, b: ChunkStats) -> ChunkStats:
 def merge_blocks(parts: torch.Tensor, spec: LossSpec) -> ChunkStats:
     """The statistics of ``k`` disjoint vocab blocks of the same ``c`` tokens, ``parts [k, 5, c]``
     (each block's :func:`local_stats` ``out``), merged left to right: ``merge(merge(p_0, p_1), p_2)...``."""
-    zexp = spec.entropy
     acc = None
     for p in parts:
-        st = ChunkStats(*p[:4], p[4] if zexp else None)
+        st = ChunkStats(*p[:4], p[4] if spec.entropy else None)
         acc = st if acc is None else merge(acc, st)
     return acc
 

@@ -3,8 +3,6 @@ r"""Triton kernels for the two per-chunk steps of :mod:`vparallel_ce.stats`.
 * :func:`local_stats` -- ONE read of a ``[c, W]`` block of logits (bf16/fp16/fp32) per call: one
   program per row walks the row in ``BLOCK``-wide tiles with an online max / sum-exp in fp32, and
   also returns the target logit (one scalar load) and, with label smoothing, ``sum_j z_j``.
-* :func:`merge_blocks` -- the statistics of a chunk's vocab blocks merged in one kernel (plus the
-  running max and torch's exponentials): a handful of launches per chunk, not a dozen per block.
 * :func:`grad_logits` -- one read of the logits, one write of the gradient in the logits' dtype.
 * :func:`grad_logits_` -- the same, written over the logits (the op must own that buffer: the
   ``linear_cross_entropy`` schedules' per-chunk logits are temporaries). Each element is read and
@@ -27,11 +25,11 @@ import triton
 import triton.language as tl
 
 from .. import stats, top1
-from . import gathered_rows, triton_distill
+from . import block_merge, gathered_rows, triton_distill
 from .backend import KernelBackend
 from .config import interpreting
 
-__all__ = ["OPS", "local_stats", "merge_blocks", "grad_logits", "grad_logits_", "loss_stats_grad_", "scale_rows"]
+__all__ = ["OPS", "local_stats", "grad_logits", "grad_logits_", "loss_stats_grad_", "scale_rows"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -241,39 +239,6 @@ def _loss_grad_kernel(
 
 
 @triton.jit
-def _merge_blocks_kernel(P, stride_p, D, E, stride_d, OUT, c, k, ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
-    # stats.merge folded over the blocks, a row per lane: the same operations in the same order (the
-    # launch turns off fp contraction), the exponentials torch's (stats.merge_blocks, E = exp(D))
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = rows < c
-    s = tl.load(P + c + rows, mask=mask, other=0.0)
-    tgt = tl.load(P + 2 * c + rows, mask=mask, other=0.0)
-    tot = tl.load(P + 3 * c + rows, mask=mask, other=0.0)
-    z = 0.0
-    if ENTROPY:
-        z = tl.load(P + 4 * c + rows, mask=mask, other=0.0)
-    for b in range(1, k):
-        base = P + b * stride_p
-        sb = tl.load(base + c + rows, mask=mask, other=0.0)
-        da = tl.load(D + (b - 1) * c + rows, mask=mask, other=0.0)  # M_{b-1} - M_b
-        db = tl.load(D + stride_d + (b - 1) * c + rows, mask=mask, other=0.0)  # m_b - M_b
-        ea = tl.load(E + (b - 1) * c + rows, mask=mask, other=0.0)
-        eb = tl.load(E + stride_d + (b - 1) * c + rows, mask=mask, other=0.0)
-        if ENTROPY:
-            zb = tl.load(base + 4 * c + rows, mask=mask, other=0.0)
-            za = tl.where(s == 0, 0.0, (z + tl.where(s == 0, 0.0, da) * s) * ea)
-            z = za + tl.where(sb == 0, 0.0, (zb + tl.where(sb == 0, 0.0, db) * sb) * eb)
-        s = tl.where(s == 0, s, s * ea) + tl.where(sb == 0, sb, sb * eb)
-        tgt = tgt + tl.load(base + 2 * c + rows, mask=mask, other=0.0)
-        tot = tot + tl.load(base + 3 * c + rows, mask=mask, other=0.0)
-    tl.store(OUT + c + rows, s, mask=mask)
-    tl.store(OUT + 2 * c + rows, tgt, mask=mask)
-    tl.store(OUT + 3 * c + rows, tot, mask=mask)
-    if ENTROPY:
-        tl.store(OUT + 4 * c + rows, z, mask=mask)
-
-
-@triton.jit
 def _scale_rows_kernel(X, stride_x, O, stride_o, G, n, T, ignore_index, PER_ROW: tl.constexpr, MASKED: tl.constexpr,
                        BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -343,7 +308,8 @@ def _transform_args(spec):
 def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, spec, *,
                 col_offset: int | None = None, out: torch.Tensor | None = None) -> stats.ChunkStats:
     """Drop-in for :func:`vparallel_ce.stats.local_stats` (the block's targets mapped in the
-    kernel, the statistics written into ``out``'s rows: one launch, no allocation)."""
+    kernel, the statistics written into ``out``'s rows: one launch, no allocation; the blocks'
+    statistics are then merged by :func:`.block_merge.merge_blocks`)."""
     c, width = x.shape if x.dim() == 2 else (0, 0)
     if not _covered(x) or width == 0 or c == 0 or (out is not None and not _rows_out(out, c)):
         return stats.local_stats(x, local_target, owned, spec, col_offset=col_offset, out=out)
@@ -366,29 +332,6 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
 def _rows_out(out: torch.Tensor, c: int) -> bool:
     """Whether the kernels can write statistics into ``out``: fp32 ``[5, c]``, contiguous."""
     return out.dtype == torch.float32 and out.shape == (5, c) and out.is_contiguous()
-
-
-def merge_blocks(parts: torch.Tensor, spec) -> stats.ChunkStats:
-    """Drop-in for :func:`vparallel_ce.stats.merge_blocks`, in five launches whatever the block
-    count: the running max (a cumulative max, exact), the two differences to it and their
-    exponentials (torch's, so each bit is the per-block merge's), then one kernel folding the
-    sums over the blocks with the reference's operations in its order."""
-    k, _, c = parts.shape
-    if k == 1 or not (parts.is_cuda or _interpreting()) or parts.dtype != torch.float32 \
-            or not parts.is_contiguous() or c == 0:
-        return stats.merge_blocks(parts, spec)
-    running = torch.cummax(parts[:, 0], dim=0).values
-    diffs = torch.empty((2, k - 1, c), dtype=parts.dtype, device=parts.device)
-    torch.sub(running[:-1], running[1:], out=diffs[0])
-    torch.sub(parts[1:, 0], running[1:], out=diffs[1])
-    exps = torch.exp(diffs)
-    out = torch.empty((5, c), dtype=parts.dtype, device=parts.device)
-    block = 128
-    _merge_blocks_kernel[(triton.cdiv(c, block),)](
-        parts, parts.stride(0), diffs, exps, diffs.stride(0), out, c, k, ENTROPY=spec.entropy, BLOCK=block,
-        num_warps=4, enable_fp_fusion=False,
-    )
-    return stats.ChunkStats(running[-1], out[1], out[2], out[3], out[4] if spec.entropy else None)
 
 
 def _grad(x, out, local_target, owned, shift, coefs, spec, col_offset):
@@ -491,4 +434,4 @@ def reduce(per_token: torch.Tensor, n_valid: torch.Tensor | None, reduction: str
 
 OPS = KernelBackend("triton", local_stats, grad_logits, loss_stats_grad_, scale_rows, grad_logits_=grad_logits_,
                     distill=triton_distill.STEPS, reduce=reduce, gathered=gathered_rows.GATHERED,
-                    merge_blocks=merge_blocks)
+                    merge_blocks=block_merge.merge_blocks)
