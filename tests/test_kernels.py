@@ -128,6 +128,40 @@ _INTERPRETER_CHECKS = textwrap.dedent(
                     assert got_loss[3] == 0 and (got_x[3] == 0).all(), where
         ran += 1
 
+    # vocab blocks of a shard: the kernels map the shard's targets to a block (col_offset) -- bitwise
+    # as given the block's targets (block_targets) -- and the blocks' statistics, written into one
+    # buffer, are merged by one fold kernel, bitwise as merge block by block; rows whose
+    # logits are all -inf in a block (a zero sum), hold a nan or a +inf, or are ignored
+    from vparallel_ce.kernels import block_merge
+    for opts in (dict(entropy=True, temperature=0.7), dict(label_smoothing=0.1)):
+        spec = stats.LossSpec(700, -100, **opts)
+        x = torch.randn(7, 700) * 6
+        x[0, :300] = float("-inf")  # the first blocks hold no mass: their sums are 0
+        x[1, 350] = float("nan")
+        x[2, 20] = float("inf")
+        x[3] = float("-inf")
+        t = torch.tensor([650, 0, 20, 5, -100, 299, 300])
+        lt, own, valid = stats.local_targets(t, 0, 700, -100)
+        blocks = [slice(0, 300), slice(300, 301), slice(301, 700)]
+        parts = torch.empty(len(blocks), 5, 7)
+        for i, blk in enumerate(blocks):
+            got = tc.local_stats(x[:, blk], lt, own, spec, col_offset=blk.start, out=parts[i])
+            bt, bo = stats.block_targets(lt, own, blk.start, blk.stop)
+            for r, g in zip(tc.local_stats(x[:, blk], bt, bo, spec), got):
+                assert (r is None) == (g is None) and (r is None or torch.equal(r.nan_to_num(), g.nan_to_num())), opts
+        ref, got = stats.merge_blocks(parts, spec), block_merge.merge_blocks(parts, spec)
+        for name, r, g in zip(ref._fields, ref, got):
+            assert (r is None) == (g is None), name
+            if r is not None:
+                assert torch.equal(r.isnan(), g.isnan()) and torch.equal(r.nan_to_num(), g.nan_to_num()), (name, r, g)
+        shift, log_s = ref.max.nan_to_num(0.0, 0.0, 0.0), torch.log(ref.sumexp).nan_to_num(0.0, 0.0, 0.0)
+        coefs = stats.logprob_grad_coefs(valid.float(), valid.float() * 0.3, torch.rand(7), log_s, valid)
+        for blk in blocks:
+            bt, bo = stats.block_targets(lt, own, blk.start, blk.stop)
+            want = tc.grad_logits(x[:, blk], bt, bo, shift, coefs, spec)
+            got = tc.grad_logits(x[:, blk], lt, own, shift, coefs, spec, col_offset=blk.start)
+            assert torch.equal(want.isnan(), got.isnan()) and torch.equal(want.nan_to_num(), got.nan_to_num()), blk
+
     # with_top1: each row's largest logit and its first column, read in the pass that then writes the
     # gradient over the row (linear_mtp_loss's acceptance): ties in a tile and across tiles, a nan
     # row (its id means nothing: the value says nan), an all -inf row, a +inf logit

@@ -263,9 +263,9 @@ def test_the_fp32_logits_gradient_is_made_once_in_the_matmul_dtype_unless_a_bias
 
     asked = []
 
-    def spy(x, *args):
+    def spy(x, *args, **kwargs):
         asked.append((x.dtype, args[-1] if len(args) == 6 else None))
-        return stats.grad_logits(x, *args)
+        return stats.grad_logits(x, *args, **kwargs)
 
     monkeypatch.setattr(kernels, "TORCH_OPS", dataclasses.replace(kernels.TORCH_OPS, grad_logits=spy))
     g = torch.Generator().manual_seed(3)

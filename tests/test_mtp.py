@@ -285,7 +285,9 @@ def test_equals_torchtitan_mtp_loss_on_the_same_logits():
 
 
 def test_no_tensor_as_large_as_the_heads_logits_when_chunked():
-    hiddens, weight, _, labels, pos = make_case(6, depths=3, vocab=40, seq=16, bias=False)
+    # (a vocab of 400: 8 blocks of 50 columns -- the blocks' statistics, 5 floats a row and block,
+    # stay below one head's logits)
+    hiddens, weight, _, labels, pos = make_case(6, depths=3, vocab=400, seq=16, bias=False)
     rows, v = 4 * labels.numel(), weight.shape[0]
     for schedule, recompute in (("token", False), ("token", True), ("vocab", None)):
         hs = [h.float().requires_grad_() for h in hiddens]

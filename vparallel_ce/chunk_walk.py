@@ -39,7 +39,7 @@ from . import comm, compiled, invariant
 from .call import Call
 from .gemm import logits, matmul_operand, mm_as, mm_into
 from .layout import aligned_parts, vocab_blocks
-from .stats import block_targets, combine, local_targets, merge, token_slices
+from .stats import combine, compute_dtype, local_targets, token_slices
 
 __all__ = ["Rows", "ChunkTargets", "Grads", "Schedule", "invariant_dh", "sum_dh_over_ranks", "KeptLogits",
            "scale_unit_grads", "scale_valid_unit_grads", "chunk_losses", "cat_parts"]
@@ -90,20 +90,17 @@ class Rows:
         return scatter(dh, self.call.layout.group)[: self.local[c].stop - self.local[c].start]
 
 
-def _grad_in_place(ops, x, local_t, owned, shift, coefs, spec):
+def _grad_in_place(ops, x, local_t, owned, shift, coefs, spec, col_offset):
     """``grad_logits`` of a block's logits that this op owns (a temporary of ``F.linear``): written
     over them when the implementation can (one block-sized buffer less, no extra allocation)."""
     if ops.grad_logits_ is not None:
-        return ops.grad_logits_(x, local_t, owned, shift, coefs, spec)
-    return ops.grad_logits(x, local_t, owned, shift, coefs, spec)
+        return ops.grad_logits_(x, local_t, owned, shift, coefs, spec, col_offset=col_offset)
+    return ops.grad_logits(x, local_t, owned, shift, coefs, spec, col_offset=col_offset)
 
 
-def _in_block(local_t: torch.Tensor, owned: torch.Tensor, blk: slice, width: int):
-    """Targets relative to a vocab block of a ``width``-column shard: (index clamped into the
-    block, owned by the block)."""
-    if blk.start == 0 and blk.stop >= width:  # the whole shard: nothing to launch
-        return local_t, owned
-    return block_targets(local_t, owned, blk.start, blk.stop)
+def _block_offset(blk: slice, width: int) -> int | None:
+    """The ``col_offset`` of a block of a ``width``-column shard for the row passes (None: all of it)."""
+    return None if blk.start == 0 and blk.stop >= width else blk.start
 
 
 class ChunkTargets:
@@ -275,6 +272,15 @@ class Schedule:
         return Rows(call, self.row_chunks)
 
     @staticmethod
+    def call_targets(call: Call, rows: Rows, t: torch.Tensor) -> list | None:
+        """Each chunk's ``(t_c, local_t, owned, valid)`` for :meth:`walk`, mapped once for the call's
+        rows; None with sequence parallelism (the chunks' targets are gathered chunk by chunk)."""
+        if call.sequence_parallel:
+            return None
+        known = ChunkTargets(call, t)()
+        return [(_part(t, sl), *(_part(k, sl) for k in known)) for sl in rows.local]
+
+    @staticmethod
     def walk(call: Call, rows: Rows, h: torch.Tensor, t: torch.Tensor, targets: list | None = None):
         """The row chunks: yields ``(c, h_c, t_c, targets_c)`` with ``h_c``/``t_c`` chunk ``c``'s
         rows (gathered over the group with sequence parallelism) and ``targets_c()`` their
@@ -313,31 +319,34 @@ class Schedule:
         epilogue, the logits never written."""
         return ops.fused is not None and ops.fused.covers(h_c, w, call.spec)
 
-    def statistics(self, call: Call, ops, h_c, w, b, targets: "ChunkTargets", *, on_block=None):
+    def statistics(self, call: Call, ops, h_c, w, b, targets: "ChunkTargets", *, on_block=None, join=True):
         """Global statistics of chunk ``c``'s rows ``h_c``: local statistics block by block, merged,
         one exchange. Returns them and the kept blocks' logits (empty unless ``keep_logits``).
-        Fused, the whole shard is one GEMM whose epilogue makes the statistics (no logits, so no
-        blocks: its memory is per-(256-column tile, row) partials). Unfused, the first block's GEMM
-        is queued before the targets' small kernels, whose launches then overlap it.
+        Fused, the whole shard is one GEMM whose epilogue makes the statistics (no logits, no blocks:
+        its memory is per-(256-column tile, row) partials); unfused, a GEMM per block.
         ``on_block(blk, x)``: also shown each block's logits ``x`` (read only), in block order;
-        the statistics are then never fused (their logits must exist)."""
+        the statistics are then never fused (their logits must exist). ``join=False``: on one rank
+        the local ``ChunkStats``, for a caller joining its chunks' once (``stats.whole_vocab``)."""
+        st, parts, kept = None, None, []
         if not self.keep_logits and on_block is None and self.fused(ops, call, h_c, w):
             local_t, owned, _ = targets()
-            return combine(ops.fused.stats(h_c, w, b, local_t, owned, call.spec), call.layout,
-                           rank_ordered=call.batch_invariant), []
-        acc, kept = None, []
-        for blk in self.blocks:
+            st = ops.fused.stats(h_c, w, b, local_t, owned, call.spec)
+        for i, blk in enumerate(self.blocks if st is None else ()):
             x = logits(call, h_c, _part(w, blk), None if b is None else _part(b, blk))
             local_t, owned, _ = targets()
-            idx, in_blk = _in_block(local_t, owned, blk, call.layout.local_size)
-            st = ops.local_stats(x, idx, in_blk, call.spec)
-            acc = st if acc is None else merge(acc, st)
+            if parts is None and len(self.blocks) > 1:  # each block's statistics, merged once after the last
+                parts = torch.empty((len(self.blocks), 5, x.shape[0]), dtype=compute_dtype(x.dtype), device=x.device)
+            st = ops.local_stats(x, local_t, owned, call.spec, col_offset=_block_offset(blk, call.layout.local_size),
+                                 out=None if parts is None else parts[i])
             if on_block is not None:
                 on_block(blk, x)
             if self.keep_logits:
                 kept.append(x)
             del x  # else the next block's logits are allocated while this one's are still alive
-        return combine(acc, call.layout, rank_ordered=call.batch_invariant), kept
+        st = st if parts is None else ops.merge_blocks(parts, call.spec)
+        if join or call.layout.sharded:
+            st = combine(st, call.layout, rank_ordered=call.batch_invariant)
+        return st, kept
 
     def gradients(self, call: Call, ops, rows: Rows, c: int, h_c, w, b, local_t, owned, shift, coefs,
                   kept: list, grads: Grads) -> None:
@@ -360,7 +369,7 @@ class Schedule:
             if fused:  # the recomputed logits only ever exist as tiles in the GEMM's registers
                 dx = grad_of(w_blk, b_blk, col_offset=blk.start)
             else:
-                idx, in_blk = _in_block(local_t, owned, blk, call.layout.local_size)
+                col = _block_offset(blk, call.layout.local_size)
                 x = kept[i] if kept else logits(call, h_c, w_blk, b_blk)
                 if kept:
                     kept[i] = None  # its memory is reused by the gradient, then freed
@@ -369,9 +378,9 @@ class Schedule:
                 # rounding as an fp32 gradient copied down, without its write and read)
                 narrow = h_c.dtype if x.dtype != h_c.dtype and grads.db is None else None
                 if narrow is not None or (kept and compiled.KEPT_READ_ONLY.get()):  # (a compiled backward: read only)
-                    dx = ops.grad_logits(x, idx, in_blk, shift, coefs, call.spec, narrow)
+                    dx = ops.grad_logits(x, local_t, owned, shift, coefs, call.spec, narrow, col_offset=col)
                 else:
-                    dx = _grad_in_place(ops, x, idx, in_blk, shift, coefs, call.spec)
+                    dx = _grad_in_place(ops, x, local_t, owned, shift, coefs, call.spec, col)
                 del x
             grads.add_block(blk, dx, h_c, w_blk, dh_rows)
             del dx  # free this block before the next one's is allocated

@@ -106,11 +106,17 @@ def block_row_sum(a: torch.Tensor) -> torch.Tensor:
 
 
 def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor,
-                spec: stats.LossSpec) -> stats.ChunkStats:
+                spec: stats.LossSpec, *, col_offset: int | None = None,
+                out: torch.Tensor | None = None) -> stats.ChunkStats:
     """:func:`vparallel_ce.stats.local_stats` of ``[c, V_block]`` logits, tile by tile with
-    :func:`block_row_sum`: row ``i``'s statistics are bitwise the same whatever ``c`` and ``i``."""
+    :func:`block_row_sum`: row ``i``'s statistics are bitwise the same whatever ``c`` and ``i``.
+    ``col_offset``, ``out``: as there."""
     if x.shape[0] == 0:
-        return stats.local_stats(x, local_target, owned, spec)
+        return stats.local_stats(x, local_target, owned, spec, col_offset=col_offset, out=out)
+    if col_offset is not None:
+        local_target, owned = stats.block_targets(local_target, owned, col_offset, col_offset + x.shape[-1])
+    if out is not None:
+        return stats.stats_into(local_stats(x, local_target, owned, spec), out)
     parts = []
     for sl in tiles(x.shape[0]):
         st = stats.local_stats(tile_of(x, sl), tile_of(local_target, sl), tile_of(owned, sl, False), spec,
@@ -120,9 +126,12 @@ def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor
 
 
 def grad_logits(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, shift: torch.Tensor,
-                coefs: stats.GradCoefs, spec: stats.LossSpec, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                coefs: stats.GradCoefs, spec: stats.LossSpec, out_dtype: torch.dtype | None = None, *,
+                col_offset: int | None = None) -> torch.Tensor:
     """:func:`vparallel_ce.stats.grad_logits` tile by tile (elementwise per row, but on CPU an
     elementwise kernel's scalar tail depends on the tensor's size: a tile's is fixed)."""
+    if col_offset is not None:
+        local_target, owned = stats.block_targets(local_target, owned, col_offset, col_offset + x.shape[-1])
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     for sl in tiles(x.shape[0]):
         part = stats.GradCoefs(*(tile_of(k, sl) for k in coefs))

@@ -20,6 +20,8 @@ assumption), logits of any magnitude (statistics relative to the running max, wh
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from . import compiled
@@ -28,12 +30,12 @@ from .autocast import autocast_off
 from .call import Call, linear_call, logits_call, settles_check
 from .options import Options
 from .cross_entropy import logits_gradient, logits_statistics
-from .chunk_walk import Grads, KeptLogits, Schedule
+from .chunk_walk import Grads, KeptLogits, Schedule, cat_parts
 from .gemm import matmul_inputs
 from .policy import ChunkPolicy
 from .sampling_masks import SamplingMasks
 from .sampling_set import check_support, check_support_values, linear_set_logprobs, set_chunks, set_logprobs
-from .stats import compute_dtype, logprob_grad_coefs
+from .stats import ChunkStats, GradCoefs, TokenStats, compute_dtype, logprob_grad_coefs, whole_vocab
 
 __all__ = ["token_logprobs", "linear_token_logprobs"]
 
@@ -200,10 +202,22 @@ def _checked_support(support, target: torch.Tensor, call: Call):
 
 def _outputs(st, valid):
     """Per-token ``(logp, entropy)`` from the global statistics; 0 on ignored tokens."""
-    zero = torch.zeros_like(st.lse)
+    zero = torch.zeros_like(st.log_s)
     logp = torch.where(valid, (st.target - st.max) - st.log_s, zero)  # relative to the max: exact
     entropy = torch.where(valid, st.entropy, zero) if st.entropy is not None else zero
     return logp, entropy
+
+
+def _joined(chunks: list, joined: bool):
+    """The chunks' statistics as one :class:`~vparallel_ce.stats.TokenStats` of the call's rows:
+    theirs concatenated (``joined``), or their local ``ChunkStats`` (a rank holding the whole vocab)
+    concatenated and joined once by :func:`~vparallel_ce.stats.whole_vocab`."""
+    fields = [None if f[0] is None else cat_parts(list(f)) for f in zip(*chunks)]
+    return TokenStats(*fields) if joined else whole_vocab(ChunkStats(*fields))
+
+
+def _chunk_coefs(coefs: GradCoefs, sl: slice) -> GradCoefs:
+    return GradCoefs(*(None if k is None else k[sl] for k in coefs))
 
 
 def _coefs(g_logp, g_entropy, valid, entropy, log_s: torch.Tensor, call: Call):
@@ -253,21 +267,25 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             keep = Schedule.keeps_for_backward(call, need)
             sched = Schedule.of(call, keep_logits=keep)
             rows = sched.rows(call)
-            shift, entropy, mine, ctx.kept = [], [], [], KeptLogits()
-            for c, h_c, t_c, targets in sched.walk(call, rows, hm, t):
-                st, kept = sched.statistics(call, ops, h_c, wm, bm, targets)
-                valid = targets()[2]
+            # the outputs made once for the call's rows from its chunks' statistics (the same
+            # elementwise steps as chunk by chunk: a few launches per call, not per chunk)
+            chunks, valid, ctx.kept = [], [], KeptLogits()
+            for c, h_c, t_c, targets in sched.walk(call, rows, hm, t, Schedule.call_targets(call, rows, t)):
+                st, kept = sched.statistics(call, ops, h_c, wm, bm, targets, join=call.layout.sharded)
                 if keep:
                     ctx.kept.add(kept)
-                logp_c, entropy_c = _outputs(st, valid)
-                shift.append(torch.stack([st.max, st.log_s]))
-                entropy.append(entropy_c)
-                mine.append((rows.own(c, logp_c), rows.own(c, entropy_c)))
-            ctx.save_for_backward(h, w, b, t, torch.cat(shift, dim=1), torch.cat(entropy))
+                chunks.append(st)
+                valid.append(targets()[2])
+            st = _joined(chunks, call.layout.sharded)
+            logp, entropy = _outputs(st, cat_parts(valid))
+            ctx.save_for_backward(h, w, b, t, torch.stack([st.max, st.log_s]), entropy)
             ctx.call = call
             ctx.set_materialize_grads(False)
-            logp, ent = (torch.cat(parts) for parts in zip(*mine))
-            return call.settle_forward(ctx, logp, ent)
+            if call.sequence_parallel:  # this rank's rows of each chunk's gathered ones
+                ends = list(itertools.accumulate(v.shape[0] for v in valid))
+                logp, entropy = (torch.cat([rows.own(c, x[end - v.shape[0] : end])
+                                            for c, (v, end) in enumerate(zip(valid, ends))]) for x in (logp, entropy))
+            return call.settle_forward(ctx, logp, entropy)
 
     @staticmethod
     @first_order_only("linear_token_logprobs")
@@ -293,14 +311,25 @@ class _LinearTokenLogprobs(torch.autograd.Function):
             rows = sched.rows(call)
             grads = Grads(h, w, b, need, acc_dtype=compute_dtype(wm.dtype), rows=rows, schedule=sched)
             kept_chunks = ctx.kept.take()
+            known = Schedule.call_targets(call, rows, t)
+            coefs_all = None
+            if known is not None:  # this rank's rows are the chunks' rows: the coefficients made once
+                valid = cat_parts([k[3] for k in known])
+                coefs_all = _coefs(None if g_logp is None else g_logp.reshape(-1),
+                                   None if g_entropy is None else g_entropy.reshape(-1), valid, entropy, shift[1],
+                                   call)
             at = 0
-            for c, h_c, t_c, targets in sched.walk(call, rows, hm, t):
+            for c, h_c, t_c, targets in sched.walk(call, rows, hm, t, known):
                 local_t, owned, valid = targets()
-                (m_c, log_s_c), ent_c = shift[:, at : at + t_c.shape[0]], entropy[at : at + t_c.shape[0]]
+                sl = slice(at, at + t_c.shape[0])
                 at += t_c.shape[0]
-                g_lp = None if g_logp is None else rows.gather(c, g_logp.reshape(-1))
-                g_h = None if g_entropy is None else rows.gather(c, g_entropy.reshape(-1))
-                coefs = _coefs(g_lp, g_h, valid, ent_c, log_s_c, call)
+                if coefs_all is not None:
+                    coefs = _chunk_coefs(coefs_all, sl) if len(rows) > 1 else coefs_all
+                else:
+                    g_lp = None if g_logp is None else rows.gather(c, g_logp.reshape(-1))
+                    g_h = None if g_entropy is None else rows.gather(c, g_entropy.reshape(-1))
+                    coefs = _coefs(g_lp, g_h, valid, entropy[sl], shift[1, sl], call)
+                m_c = shift[0, sl]
                 sched.gradients(call, ops, rows, c, h_c, wm, bm, local_t, owned, m_c, coefs,
                                 kept_chunks[c] if kept_chunks else [], grads)
             return grads.finish(rows) + (None, None)

@@ -64,7 +64,7 @@ import torch
 from . import comm, top1
 
 __all__ = ["LossSpec", "ChunkStats", "TokenStats", "GradCoefs", "local_targets", "block_targets", "local_stats",
-           "finite_shift", "merge", "combine", "whole_vocab", "token_loss", "loss_grad_coefs", "token_weights",
+           "finite_shift", "merge", "merge_blocks", "stats_into", "combine", "whole_vocab", "token_loss", "loss_grad_coefs", "token_weights",
            "unit_loss_coefs", "scale_coefs", "loss_stats_grad_", "scale_rows", "logprob_grad_coefs", "grad_logits",
            "scaled_logits"]
 
@@ -160,9 +160,27 @@ def _row_sum(a: torch.Tensor) -> torch.Tensor:
 
 
 def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, spec: LossSpec, *,
-                row_sum=_row_sum) -> ChunkStats:
+                row_sum=_row_sum, col_offset: int | None = None, out: torch.Tensor | None = None) -> ChunkStats:
     """Step 1: one pass over a ``[c, V_block]`` block of logits (any float dtype). ``row_sum``: the
-    per-row sum over the block (:func:`vparallel_ce.invariant.block_row_sum`: in a fixed order)."""
+    per-row sum over the block (:func:`vparallel_ce.invariant.block_row_sum`: in a fixed order).
+    ``col_offset``: ``x`` is the block of a shard starting at that column, and ``local_target`` /
+    ``owned`` are relative to the shard (:func:`block_targets` maps them); None: to ``x`` itself.
+    ``out``: a ``[5, c]`` compute-dtype buffer for the statistics (:class:`ChunkStats` order)."""
+    if col_offset is not None:
+        local_target, owned = block_targets(local_target, owned, col_offset, col_offset + x.shape[-1])
+    st = _local_stats(x, local_target, owned, spec, row_sum)
+    return st if out is None else stats_into(st, out)
+
+
+def stats_into(st: ChunkStats, out: torch.Tensor) -> ChunkStats:
+    """``st`` copied into the rows of a ``[5, c]`` buffer (:func:`local_stats`' ``out``), as views of it."""
+    for row, f in zip(out, st):
+        if f is not None:
+            row.copy_(f)
+    return ChunkStats(*out[:4], out[4] if st.zexp is not None else None)
+
+
+def _local_stats(x, local_target, owned, spec, row_sum) -> ChunkStats:
     z = _transform(x, spec)
     c, width = z.shape
     if width == 0:
@@ -214,6 +232,16 @@ def merge(a: ChunkStats, b: ChunkStats) -> ChunkStats:
     if a.zexp is not None:
         zexp = _rescale_zexp(a.zexp, a.sumexp, a.max, m) + _rescale_zexp(b.zexp, b.sumexp, b.max, m)
     return ChunkStats(m, sumexp, a.target + b.target, a.sum + b.sum, zexp)
+
+
+def merge_blocks(parts: torch.Tensor, spec: LossSpec) -> ChunkStats:
+    """The statistics of ``k`` disjoint vocab blocks of the same ``c`` tokens, ``parts [k, 5, c]``
+    (each block's :func:`local_stats` ``out``), merged left to right: ``merge(merge(p_0, p_1), p_2)...``."""
+    acc = None
+    for p in parts:
+        st = ChunkStats(*p[:4], p[4] if spec.entropy else None)
+        acc = st if acc is None else merge(acc, st)
+    return acc
 
 
 def combine(stats: ChunkStats, layout, *, rank_ordered: bool = False) -> TokenStats:
@@ -289,9 +317,14 @@ def grad_logits(
     coefs: GradCoefs,
     spec: LossSpec,
     out_dtype: torch.dtype | None = None,
+    *,
+    col_offset: int | None = None,
 ) -> torch.Tensor:
     """Backward of one ``[c, V_block]`` block: ``d obj / d x`` given the per-token ``shift`` (the
-    global max ``m``) and coefficients (all 0 on ignored tokens). Local, no communication."""
+    global max ``m``) and coefficients (all 0 on ignored tokens). Local, no communication.
+    ``col_offset``: as in :func:`local_stats`."""
+    if col_offset is not None:
+        local_target, owned = block_targets(local_target, owned, col_offset, col_offset + x.shape[-1])
     z = _transform(x, spec)
     u = z - shift.unsqueeze(-1)
     a = coefs.a.unsqueeze(-1)

@@ -69,7 +69,10 @@ class KernelBackend:
     (:class:`vparallel_ce.divergence.DistillSteps`); ``reduce``: the per-token losses to the
     call's output (:func:`vparallel_ce.stats.reduce`); ``row_gemm``: the batch-invariant mode's
     lm_head GEMMs (:class:`RowGemm`; None: that mode's torch GEMMs one tile at a time);
-    ``gathered``: the lm_head over each token's own weight rows (:class:`GatheredRows`)."""
+    ``gathered``: the lm_head over each token's own weight rows (:class:`GatheredRows`);
+    ``merge_blocks``: the statistics of a chunk's vocab blocks merged, ``[k, 5, c]`` -> one
+    :class:`~vparallel_ce.stats.ChunkStats` (:func:`vparallel_ce.stats.merge_blocks`: a few
+    launches per chunk in the Triton version rather than a dozen per block)."""
 
     name: str
     local_stats: Callable
@@ -82,6 +85,7 @@ class KernelBackend:
     reduce: Callable = stats.reduce
     row_gemm: RowGemm | None = None
     gathered: GatheredRows = TORCH_GATHERED
+    merge_blocks: Callable = stats.merge_blocks
 
 
 TORCH_OPS = KernelBackend("torch", stats.local_stats, stats.grad_logits, stats.loss_stats_grad_, stats.scale_rows)

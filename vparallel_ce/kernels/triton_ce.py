@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import stats, top1
-from . import gathered_rows, triton_distill
+from . import block_merge, gathered_rows, triton_distill
 from .backend import KernelBackend
 from .config import interpreting
 
@@ -138,12 +138,21 @@ def _row_grad(xb, db, W, t, shift, a, b, sub, hit, cap, inv_cap, inv_t, t_over_c
 
 
 @triton.jit
-def _store_row_stats(base, row, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, cap, inv_cap, inv_t, HAS_CAP: tl.constexpr,
-                     HAS_T: tl.constexpr, SMOOTH: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr):
+def _block_target(T, OWN, row, col0, W):
+    """A row's target relative to a block of ``W`` columns starting at column ``col0`` of its shard:
+    ``(index clamped into the block, owned by the block)`` (:func:`stats.block_targets`)."""
+    t = tl.load(T + row).to(tl.int64) - col0
+    own = (tl.load(OWN + row) != 0) & (t >= 0) & (t < W)
+    return tl.minimum(tl.maximum(t, 0), W - 1), own
+
+
+@triton.jit
+def _store_row_stats(base, row, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, col0, cap, inv_cap, inv_t,
+                     HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, SMOOTH: tl.constexpr, ENTROPY: tl.constexpr,
+                     BLOCK: tl.constexpr):
     """A row's :class:`stats.ChunkStats` stored (the target logit read where the row owns it)."""
     m, s, e, tot, _, _ = _row_stats(base, W, cap, inv_cap, inv_t, HAS_CAP, HAS_T, SMOOTH, ENTROPY, False, BLOCK)
-    t = tl.load(T + row)
-    own = tl.load(OWN + row) != 0
+    t, own = _block_target(T, OWN, row, col0, W)
     xt = _z(tl.load(base + t).to(tl.float32), cap, inv_cap, inv_t, HAS_CAP, HAS_T)
     tl.store(MAX + row, m)
     tl.store(SUMEXP + row, s)
@@ -155,17 +164,17 @@ def _store_row_stats(base, row, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, cap, inv
 
 @triton.jit
 def _stats_kernel(
-    X, stride_x, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, cap, inv_cap, inv_t,
+    X, stride_x, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, col0, cap, inv_cap, inv_t,
     HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, SMOOTH: tl.constexpr, ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    _store_row_stats(X + row * stride_x, row, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, cap, inv_cap, inv_t, HAS_CAP,
-                     HAS_T, SMOOTH, ENTROPY, BLOCK)
+    _store_row_stats(X + row * stride_x, row, T, OWN, MAX, SUMEXP, TGT, SUM, ZEXP, W, col0, cap, inv_cap, inv_t,
+                     HAS_CAP, HAS_T, SMOOTH, ENTROPY, BLOCK)
 
 
 @triton.jit
 def _grad_kernel(
-    X, stride_x, D, stride_d, T, OWN, SHIFT, CA, CB, CC, CD, W, cap, inv_cap, inv_t, t_over_cap,
+    X, stride_x, D, stride_d, T, OWN, SHIFT, CA, CB, CC, CD, W, col0, cap, inv_cap, inv_t, t_over_cap,
     HAS_CAP: tl.constexpr, HAS_T: tl.constexpr, HAS_B: tl.constexpr, HAS_D: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -175,8 +184,9 @@ def _grad_kernel(
     sub = 0.0
     if HAS_D:
         sub = tl.load(CD + row).to(tl.float32)
-    hit = tl.where(tl.load(OWN + row) != 0, tl.load(CC + row).to(tl.float32), 0.0)
-    _row_grad(X + row * stride_x, D + row * stride_d, W, tl.load(T + row), tl.load(SHIFT + row).to(tl.float32),
+    t, own = _block_target(T, OWN, row, col0, W)
+    hit = tl.where(own, tl.load(CC + row).to(tl.float32), 0.0)
+    _row_grad(X + row * stride_x, D + row * stride_d, W, t, tl.load(SHIFT + row).to(tl.float32),
               tl.load(CA + row).to(tl.float32), b, sub, hit, cap, inv_cap, inv_t, t_over_cap, HAS_CAP, HAS_T, HAS_B,
               HAS_D, BLOCK, False)
 
@@ -295,26 +305,36 @@ def _transform_args(spec):
                                                                      HAS_T=temp != 1.0)
 
 
-def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, spec) -> stats.ChunkStats:
-    """Drop-in for :func:`vparallel_ce.stats.local_stats`."""
+def local_stats(x: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, spec, *,
+                col_offset: int | None = None, out: torch.Tensor | None = None) -> stats.ChunkStats:
+    """Drop-in for :func:`vparallel_ce.stats.local_stats` (the block's targets mapped in the
+    kernel, the statistics written into ``out``'s rows: one launch, no allocation; the blocks'
+    statistics are then merged by :func:`.block_merge.merge_blocks`)."""
     c, width = x.shape if x.dim() == 2 else (0, 0)
-    if not _covered(x) or width == 0 or c == 0:
-        return stats.local_stats(x, local_target, owned, spec)
+    if not _covered(x) or width == 0 or c == 0 or (out is not None and not _rows_out(out, c)):
+        return stats.local_stats(x, local_target, owned, spec, col_offset=col_offset, out=out)
     x = _rowwise(x)
-    f32 = dict(dtype=torch.float32, device=x.device)
-    m, se, tg, sm = (torch.empty(c, **f32) for _ in range(4))
-    zexp = torch.empty(c, **f32) if spec.entropy else sm  # a dummy pointer without entropy
+    if out is None:
+        out = torch.empty((5 if spec.entropy else 4, c), dtype=torch.float32, device=x.device)
+    m, se, tg, sm = out[:4]
+    zexp = out[4] if spec.entropy else sm  # a dummy pointer without entropy
     own = _int8(owned)
     block, warps = _stats_launch_cfg(width, x.element_size())
     args, flags = _transform_args(spec)
     _stats_kernel[(c,)](
-        x, x.stride(0), local_target.contiguous(), own, m, se, tg, sm, zexp, width, args["cap"], args["inv_cap"],
-        args["inv_t"], SMOOTH=spec.label_smoothing > 0, ENTROPY=spec.entropy, BLOCK=block, num_warps=warps, **flags,
+        x, x.stride(0), local_target.contiguous(), own, m, se, tg, sm, zexp, width, col_offset or 0, args["cap"],
+        args["inv_cap"], args["inv_t"], SMOOTH=spec.label_smoothing > 0, ENTROPY=spec.entropy, BLOCK=block,
+        num_warps=warps, **flags,
     )
     return stats.ChunkStats(m, se, tg, sm, zexp if spec.entropy else None)
 
 
-def _grad(x, out, local_target, owned, shift, coefs, spec):
+def _rows_out(out: torch.Tensor, c: int) -> bool:
+    """Whether the kernels can write statistics into ``out``: fp32 ``[5, c]``, contiguous."""
+    return out.dtype == torch.float32 and out.shape == (5, c) and out.is_contiguous()
+
+
+def _grad(x, out, local_target, owned, shift, coefs, spec, col_offset):
     c, width = x.shape
     own = _int8(owned)
     block, warps = _launch_cfg(width, x.element_size())
@@ -327,27 +347,28 @@ def _grad(x, out, local_target, owned, shift, coefs, spec):
     _grad_kernel[(c,)](
         x, x.stride(0), out, out.stride(0), local_target.contiguous(), own, f32(shift), a,
         a if coefs.b is None else f32(coefs.b), f32(coefs.c), a if coefs.d is None else f32(coefs.d), width,
-        args["cap"], args["inv_cap"], args["inv_t"], float(spec.temperature) / args["cap"],
+        col_offset or 0, args["cap"], args["inv_cap"], args["inv_t"], float(spec.temperature) / args["cap"],
         HAS_B=coefs.b is not None, HAS_D=coefs.d is not None, BLOCK=block, num_warps=warps, **flags,
     )
     return out
 
 
-def grad_logits(x, local_target, owned, shift, coefs, spec, out_dtype=None) -> torch.Tensor:
-    """Drop-in for :func:`vparallel_ce.stats.grad_logits`."""
+def grad_logits(x, local_target, owned, shift, coefs, spec, out_dtype=None, *,
+                col_offset: int | None = None) -> torch.Tensor:
+    """Drop-in for :func:`vparallel_ce.stats.grad_logits` (the block's targets mapped in the kernel)."""
     out_dtype = out_dtype or x.dtype
     if not _covered(x) or out_dtype not in _DTYPES or x.shape[0] == 0 or x.shape[1] == 0:
-        return stats.grad_logits(x, local_target, owned, shift, coefs, spec, out_dtype)
+        return stats.grad_logits(x, local_target, owned, shift, coefs, spec, out_dtype, col_offset=col_offset)
     x = _rowwise(x)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    return _grad(x, out, local_target, owned, shift, coefs, spec)
+    return _grad(x, out, local_target, owned, shift, coefs, spec, col_offset)
 
 
-def grad_logits_(x, local_target, owned, shift, coefs, spec) -> torch.Tensor:
+def grad_logits_(x, local_target, owned, shift, coefs, spec, *, col_offset: int | None = None) -> torch.Tensor:
     """:func:`grad_logits` written over ``x`` (in the logits' dtype); returns ``x``."""
     if not _covered(x) or x.stride(-1) != 1 or x.shape[0] == 0 or x.shape[1] == 0:
-        return x.copy_(stats.grad_logits(x, local_target, owned, shift, coefs, spec))
-    return _grad(x, x, local_target, owned, shift, coefs, spec)
+        return x.copy_(stats.grad_logits(x, local_target, owned, shift, coefs, spec, col_offset=col_offset))
+    return _grad(x, x, local_target, owned, shift, coefs, spec, col_offset)
 
 
 def loss_stats_grad_(x, target, n_valid, reduction, spec, *, with_top1: bool = False, block: int | None = None,
@@ -412,4 +433,5 @@ def reduce(per_token: torch.Tensor, n_valid: torch.Tensor | None, reduction: str
 
 
 OPS = KernelBackend("triton", local_stats, grad_logits, loss_stats_grad_, scale_rows, grad_logits_=grad_logits_,
-                    distill=triton_distill.STEPS, reduce=reduce, gathered=gathered_rows.GATHERED)
+                    distill=triton_distill.STEPS, reduce=reduce, gathered=gathered_rows.GATHERED,
+                    merge_blocks=block_merge.merge_blocks)
