@@ -64,7 +64,8 @@ import torch
 from . import comm, top1
 
 __all__ = ["LossSpec", "ChunkStats", "TokenStats", "GradCoefs", "local_targets", "block_targets", "local_stats",
-           "finite_shift", "merge", "merge_blocks", "stats_into", "combine", "whole_vocab", "token_loss", "loss_grad_coefs", "token_weights",
+           "finite_shift", "merge", "merge_blocks", "stats_into", "combine", "whole_vocab", "token_loss",
+           "loss_grad_coefs", "token_weights",
            "unit_loss_coefs", "scale_coefs", "loss_stats_grad_", "scale_rows", "logprob_grad_coefs", "grad_logits",
            "scaled_logits"]
 
