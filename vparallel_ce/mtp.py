@@ -153,12 +153,10 @@ def _linear_mtp_loss(hiddens, weight, labels, bias, mtp_scale, positions, group,
     call, inp = linear_call(h_all, weight, t_all, bias, op="linear_mtp_loss", group=group, options=options,
                             more_checks=lambda *_: _mtp_problem(problem, reduction), memo=None)
     per_head = inp.target.numel() // n_heads
-    heads_of = torch.arange(n_heads, device=inp.target.device).repeat_interleave(per_head)
-    own = torch.zeros(n_heads, dtype=torch.int64, device=inp.target.device)
-    own.index_add_(0, heads_of, (inp.target != ignore_index).to(torch.int64))
+    own = (inp.target.reshape(n_heads, per_head) != ignore_index).sum(1)
     if problem is None:
         call, inp, per_head = _compacted(call, inp, own, n_heads, per_head, options)
-        heads_of = torch.arange(n_heads, device=inp.target.device).repeat_interleave(per_head)
+    heads_of = torch.arange(n_heads, device=inp.target.device).repeat_interleave(per_head)
     if call.sequence_parallel:  # every rank's tokens count
         comm.all_reduce_sum_(own, call.layout.group)
     # the weights c_d / n_d formed in float64 (counts exact to 2^53), rounded once in the op
