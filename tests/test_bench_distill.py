@@ -7,14 +7,11 @@ computation does. The timings mean nothing here; the GPU run is in docs/distilla
 
 from __future__ import annotations
 
-import pytest
-
 from tests.bench_smoke import assert_like_plain, run_smoke
 
 SHAPES = ("smoke", "smoke_odd")
 
 
-@pytest.mark.slow
 def test_bench_distill_smoke_on_cpu(tmp_path):
     from launch.bench.distill import SMOKE_METHODS
 

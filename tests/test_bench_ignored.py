@@ -11,15 +11,12 @@ from __future__ import annotations
 import json
 import re
 
-import pytest
-
 from tests.bench_smoke import run_bench
 
 OPS, FRACTIONS, METHODS = ("ce", "logprobs", "distill"), (0.0, 0.5), ("uncompacted", "compacted", "default")
 ROW_RE = re.compile(r"^\| smoke \| (\S+) \| ([0-9.]+) \| 0 \| (\S+) \| ([0-9.]+) \|", re.M)
 
 
-@pytest.mark.slow
 def test_bench_ignored_smoke_on_cpu(tmp_path):
     out = tmp_path / "bench_ignored.jsonl"
     proc = run_bench("launch.bench.ignored", out, "--shapes", "smoke", "--ignored", "0,0.5", timeout=180)

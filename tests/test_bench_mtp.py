@@ -8,14 +8,11 @@ rows) gets no error columns. The timings mean nothing here; the GPU run is descr
 
 from __future__ import annotations
 
-import pytest
-
 from tests.bench_smoke import assert_like_plain, run_smoke
 
 SHAPES = ("smoke", "smoke_odd")
 
 
-@pytest.mark.slow
 def test_bench_mtp_smoke_on_cpu(tmp_path):
     from launch.bench.mtp import SMOKE_METHODS
 

@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from launch.bench.profile import SMOKE_CASES
 from tests.bench_smoke import run_bench
 
 
-@pytest.mark.slow
 def test_bench_profile_smoke_on_cpu(tmp_path):
     out = tmp_path / "profile.jsonl"
     proc = run_bench("launch.bench.profile", out, timeout=180)

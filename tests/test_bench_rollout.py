@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from tests.bench_smoke import run_bench
 
 
-@pytest.mark.slow
 def test_bench_rollout_smoke_on_cpu(tmp_path):
     out = tmp_path / "rollout.jsonl"
     proc = run_bench("launch.bench.rollout", out, timeout=180)

@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from tests.bench_smoke import run_bench
 
 
-@pytest.mark.slow
 def test_bench_step_smoke_on_cpu(tmp_path):
     out = tmp_path / "step.jsonl"
     run_bench("launch.bench.step", out)

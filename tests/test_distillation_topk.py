@@ -270,7 +270,6 @@ def test_every_kind_mode_k_and_option_at_tp1():
     _assert_clean([tp_rank(0, 1, None, 9)])
 
 
-@pytest.mark.slow
 def test_every_case_at_tp_2_3_4_with_uneven_and_empty_shards():
     _assert_clean(run_ranks(sizes_rank, 4, timeout=150))
 

@@ -371,7 +371,6 @@ def test_dw_by_one_gemm_over_the_kept_logits_gradients_at_tp1():
     _assert_clean([one_gemm_rank(0, 1, None, (7,))])
 
 
-@pytest.mark.slow
 def test_tp3_with_uneven_and_empty_shards():
     # V=7 over 3 ranks: 3/3/1; V=2: 1/1/0, an empty shard; also the one-GEMM dW cases
     _assert_clean([failures for failures, _ in run_ranks(tp_rank, 4, 3, (7, 2), 4, timeout=150)])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -263,7 +262,6 @@ def test_every_kind_mode_k_option_and_chunk_count_at_tp1():
                                                                        accumulation_rank(0, 1, None)])
 
 
-@pytest.mark.slow
 def test_tp_2_3_4_uneven_and_empty_shards_sequence_parallel_and_bad_input_on_every_rank():
     _assert_clean(run_ranks(sizes_rank, 4, timeout=200))
 

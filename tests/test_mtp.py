@@ -182,7 +182,6 @@ def test_ignored_rows_are_dropped_per_head_and_the_results_stay_the_uncompacted_
         assert torch.equal(a, b)
 
 
-@pytest.mark.slow
 def test_matches_float64_reference_at_tp_2_3_4_with_uneven_and_empty_shards_and_sequence_parallelism():
     failures = [f for per_rank in run_ranks(tp_grid_rank, 4) for f in per_rank]
     assert not failures, "\n".join(failures)
