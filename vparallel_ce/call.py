@@ -197,6 +197,10 @@ class LinearInputs:
     shape: torch.Size  # the caller's token shape
     compaction: Compaction | None = None  # the rows h and target are of (None: all, in order)
 
+    def compacted(self, rows: Compaction) -> "LinearInputs":
+        """These inputs over ``rows`` only (``h`` and ``target`` taken; ``place`` puts them back)."""
+        return replace(self, h=rows.take(self.h), target=rows.take(self.target), compaction=rows)
+
     def take(self, x: torch.Tensor | None) -> torch.Tensor | None:
         """More per-token rows ``[N, ...]`` (a teacher's) as ``h`` and ``target`` hold them."""
         return x if self.compaction is None else self.compaction.take(x)
@@ -378,7 +382,7 @@ def _compacted(call: Call, inp: LinearInputs, valid: tuple[int, ...] | None, o: 
     me = call.layout.rank if call.sequence_parallel else 0
     total = call.counts[me]
     rows = Compaction(None if kept[me] == total else compacted_rows(inp.target, o.ignore_index, kept[me]), total)
-    return call.with_rows(kept), replace(inp, h=rows.take(inp.h), target=rows.take(inp.target), compaction=rows)
+    return call.with_rows(kept), inp.compacted(rows)
 
 
 def settles_check(backward):

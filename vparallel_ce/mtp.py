@@ -24,7 +24,6 @@ from the logits the walk makes anyway (one more all-gather of ``2`` float64 per 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -39,7 +38,7 @@ from .gemm import logits, matmul_inputs
 from .labels import mtp_labels
 from .linear import ChunkSaved
 from .options import Options
-from .policy import ChunkPolicy, GradMode
+from .policy import DEFAULT_POLICY, ChunkPolicy, GradMode
 from .second_order import first_order_only
 from .stats import compute_dtype, loss_grad_coefs, scale_coefs, token_loss
 from .validate import Problem
@@ -244,7 +243,7 @@ def _compacted(call: Call, inp, own: torch.Tensor, n_heads: int, per_head: int, 
     per-head counts are read on the host (a sync, where :meth:`ChunkPolicy.reads_valid_count`
     accepts one); the targets are replicated or the group's own, so every rank keeps the same
     rows. Not with sequence parallelism, where each rank's counts differ."""
-    policy = o.policy or ChunkPolicy()
+    policy = o.policy or DEFAULT_POLICY
     total = inp.target.numel()
     if (call.sequence_parallel or call.replan is None or kernels.is_fake(inp.target)
             or not policy.reads_valid_count(total, inp.w.shape[-1], call.layout.local_size)):
@@ -253,8 +252,7 @@ def _compacted(call: Call, inp, own: torch.Tensor, n_heads: int, per_head: int, 
     if kept is None:
         return call, inp, per_head
     rows = Compaction(compacted_head_rows(inp.target, o.ignore_index, n_heads, kept[0]), total)
-    return (call.with_rows((kept[0] * n_heads,)),
-            replace(inp, h=rows.take(inp.h), target=rows.take(inp.target), compaction=rows), kept[0])
+    return call.with_rows((kept[0] * n_heads,)), inp.compacted(rows), kept[0]
 
 
 def _one_pass_head(call: Call, sched: Schedule, b, rows, c: int, per_head: int) -> int | None:

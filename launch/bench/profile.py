@@ -83,11 +83,7 @@ def make_call(case: str, shape: tuple[int, int, int], device: torch.device):
         target = ignored._target(n, v, float(frac), False, device)
         return ignored._step(op, inp, target, ChunkPolicy(compact=how == "compacted"))
     if kind == "rl":
-        h = torch.randn(n, hd, generator=g).to(device, dtype).requires_grad_()
-        w = (torch.randn(v, hd, generator=g) * (2.0 / hd**0.5)).to(device, dtype).requires_grad_()
-        t = torch.randint(0, v, (n,), generator=g).to(device)
-        adv = torch.randn(n, generator=g).to(device)
-        fn = rl.FNS[method]
+        fn, (h, w, t, adv) = rl.FNS[method], rl.inputs(shape, device, dtype)
         return lambda: rl.run_once(fn, h, w, t, adv, 1.0, "auto")
     raise ValueError(f"unknown case {case!r} (loss:, rollout:, mtp:, ignored:, rl:)")
 

@@ -194,7 +194,8 @@ def run_once(fn, h, w, t, adv, temperature, chunks):
 
 # -------------------------------------------------------------------------------------------- main
 
-def bench_shape(tag, shape, args, device, dtype, emit):
+def inputs(shape, device, dtype):
+    """The benchmark's ``(h [N, H], w [V, H], targets, advantages)`` (seed 0; ``h`` and ``w`` leaves)."""
     n, hdim, v = shape
     g = torch.Generator(device="cpu").manual_seed(0)
     h = torch.randn(n, hdim, generator=g).to(device=device, dtype=dtype).requires_grad_()
@@ -202,6 +203,12 @@ def bench_shape(tag, shape, args, device, dtype, emit):
     w.requires_grad_()
     t = torch.randint(0, v, (n,), generator=g).to(device)
     adv = torch.randn(n, generator=g).to(device)
+    return h, w, t, adv
+
+
+def bench_shape(tag, shape, args, device, dtype, emit):
+    n, hdim, v = shape
+    h, w, t, adv = inputs(shape, device, dtype)
     ref = None
     if not args.no_ref:
         sync(device)
