@@ -254,10 +254,10 @@ _OP_CHECKS = textwrap.dedent(
 
     ops_of(1)  # (the first call settles what later calls reuse)
     one, three = ops_of(1), ops_of(3)
-    # pinned where it was measured: the interpreter runs the kernels' branch, and a CUDA run counts
-    # its own extras (the host reads and copies are ops there), which it prints
-    if dev == "cpu":
-        assert len(one) <= 28 and len(three) - len(one) <= 2 * 20, (len(one), len(three), one, three)
+    # pinned where measured: one chunk 28 ops in the interpreter, 30 on an H100 (the host reads
+    # and copies are ops there; three chunks 67); each chunk more costs at most 20 ops
+    assert len(one) <= (28 if dev == "cpu" else 30), (len(one), one)
+    assert len(three) - len(one) <= 2 * 20, (len(one), len(three), one, three)
     print("set op ATen ops:", len(one), "one chunk,", len(three), "three chunks")
     print("GATHERED_OP_OK")
     """
