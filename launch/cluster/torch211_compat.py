@@ -23,6 +23,20 @@ stand-in is installed only where torch lacks what it stands in for.
    2.11's ``create_block_mask`` always separates the full blocks, which is what ``True`` asks
    for. The stand-in wraps torch's function: it takes ``separate_full_blocks=True`` and leaves it
    out, and refuses ``False`` (torchtitan's batch-invariant mode), which torch 2.11 cannot do.
+3. The pre-backward hook of an FSDP group whose modules did not all run forward. torchtitan 0.3.0
+   shards ``[norm, lm_head]`` as one FSDP group, and under ``ChunkedLossWrapper`` the model's
+   forward skips the lm_head (``_skip_lm_head=True``). torch >= 2.12 completes such a group at the
+   root's post-forward (``FSDPState._force_complete_incomplete_states``), which hooks the norm's
+   output so that its backward gathers the group's parameters again; torch 2.11 runs a group's
+   post-forward only once every module in it has run, here at the wrapper's first lm_head chunk,
+   so the norm's output gets no hook. The wrapper ends its chunks with an explicit
+   ``lm_head.reshard()``, which frees the norm's unsharded weight too, and the decoder's backward
+   then reads freed memory ("its data is not allocated yet" on CUDA, a crash on CPU). The stand-in
+   makes that explicit ``FSDPModule.reshard()`` keep the parameters (FSDP's own reshards, after
+   forward and backward, are untouched; torchtitan calls ``reshard()`` nowhere else). On one GPU the
+   memory is what torch 2.12 gives: there the group is freed at the wrapper's end and gathered
+   again at the start of the decoder's backward, the step's peak; here it stays until the norm's
+   backward has run, and one gather (a copy of the lm_head, at world 1) is not made.
 
 The rest of what the world-1 llama3 trainer uses exists in torch 2.11 (checked against torch
 2.11.0's sources: every torch name that torchtitan's and spmd_types' modules import or reference,
@@ -74,11 +88,20 @@ def _create_block_mask_separating_full_blocks(create_block_mask):
     return wrapped
 
 
+GROUP_COMPLETION = "FSDP groups completed at the root's post-forward (FSDPModule.reshard() kept)"
+
+
+def _explicit_reshard_keeping_parameters(self) -> None:
+    """torch 2.11's ``FSDPModule.reshard`` for torchtitan's ``ChunkedLossWrapper``: a no-op, so the
+    norm that shares the lm_head's FSDP group keeps its weight for its backward (3. above)."""
+
+
 def apply() -> list[str]:
     """Install the stand-ins that this torch lacks; the names installed (empty on torch >= 2.12).
 
     Raises ``RuntimeError`` when one is needed and ``WORLD_SIZE`` is above 1."""
     import torch.distributed.fsdp as fsdp
+    import torch.distributed.fsdp._fully_shard._fsdp_state as fsdp_state
     import torch.nn.attention.flex_attention as flex
 
     missing = []
@@ -86,6 +109,8 @@ def apply() -> list[str]:
         missing.append("torch.distributed.fsdp.DataParallelMeshDims")
     if "separate_full_blocks" not in inspect.signature(flex.create_block_mask).parameters:
         missing.append("create_block_mask(separate_full_blocks=True)")
+    if not hasattr(fsdp_state.FSDPState, "_force_complete_incomplete_states"):
+        missing.append(GROUP_COMPLETION)
     if not missing:
         return []
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -96,4 +121,6 @@ def apply() -> list[str]:
         fsdp.DataParallelMeshDims = DataParallelMeshDims
     if "create_block_mask(separate_full_blocks=True)" in missing:
         flex.create_block_mask = _create_block_mask_separating_full_blocks(flex.create_block_mask)
+    if GROUP_COMPLETION in missing:
+        fsdp.FSDPModule.reshard = _explicit_reshard_keeping_parameters
     return missing
