@@ -3,7 +3,8 @@
 ``run_ranks(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` on every rank of a
 process group and returns the list of results, rank by rank. ``fn`` must be a module-level function
 (it is pickled by reference). Workers are kept alive between calls (one pool per world size per
-test process), because spawning and importing torch costs seconds on a 2-core machine.
+test process), because starting a process costs seconds on a 2-core machine; they are forked from a
+server that imported torch once (tests/warm.py).
 
 Failure never hangs:
 
@@ -19,12 +20,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import multiprocessing as mp
 import os
 import queue
 import tempfile
 import time
 import traceback
+
+from tests import warm
 
 PG_TIMEOUT = datetime.timedelta(seconds=60)
 DEFAULT_TIMEOUT = 180.0
@@ -67,7 +69,7 @@ def _worker(rank, world, store_path, inbox, outbox):
 
 class _Pool:
     def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
+        ctx = warm.context()  # forked from a process that imported torch once (tests/warm.py)
         self.world = world
         self.tmp = tempfile.mkdtemp(prefix="vpce_store_")
         store_path = os.path.join(self.tmp, "store")

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.warm import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,8 +94,7 @@ def test_log_prob_chunks_cost_a_few_launches_each():
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     env.pop("VPARALLEL_CE_KERNELS", None)
-    proc = subprocess.run([sys.executable, "-c", _COUNT], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_python("-c", _COUNT, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     import json
 
