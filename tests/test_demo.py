@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.warm import run_python
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,8 +66,12 @@ def torchrun_cmd(nproc: int, *launcher_args: str) -> list[str]:
 
 
 def run(cmd: list[str], cwd: Path, timeout: float = RUN_TIMEOUT, **env: str) -> subprocess.CompletedProcess:
-    """``cmd`` in the CPU environment, with ``env`` added to it."""
-    return subprocess.run(cmd, cwd=cwd, env={**_cpu_env(), **env}, capture_output=True, text=True, timeout=timeout,
+    """``cmd`` in the CPU environment, with ``env`` added to it; ``python FILE ...`` in a process forked
+    from one that imported torch already (tests/warm.py), as a new interpreter runs it."""
+    env = {**_cpu_env(), **env}
+    if cmd[0] == sys.executable and cmd[1].endswith(".py"):
+        return run_python("", cmd[1], *cmd[2:], env=env, cwd=cwd, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 
 

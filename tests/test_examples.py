@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.warm import run_python
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "launch" / "examples"
 TIMEOUT = 180  # seconds per run
@@ -48,7 +50,10 @@ def test_example_runs_and_checks_itself(tmp_path, cmd):
     if cmd == ["hf_llama.py"]:
         pytest.importorskip("transformers")
     cmd = [str(EXAMPLES / c) if c.endswith(".py") else str(_free_port()) if c == "PORT" else c for c in cmd]
-    proc = subprocess.run([sys.executable, *cmd], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                          timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+    if cmd[0].endswith(".py"):  # python FILE: forked from a process that imported torch already (tests/warm.py)
+        proc = run_python("", cmd[0], *cmd[1:], env=_env(), cwd=tmp_path, timeout=TIMEOUT)
+    else:
+        proc = subprocess.run([sys.executable, *cmd], cwd=tmp_path, env=_env(), capture_output=True, text=True,
+                              timeout=TIMEOUT, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.rstrip().endswith("OK"), proc.stdout[-2000:]

@@ -8,8 +8,8 @@ which read environment variables at import (``TRITON_INTERPRET``, ``VPARALLEL_CE
 imported by each process after its own environment is set, as in a new interpreter.
 
 * :func:`context`: the multiprocessing context of those processes (tests/dist.py's ranks);
-* :func:`run_python`: ``python -c SCRIPT ARGS`` or ``python -m MODULE ARGS`` with an environment and
-  a working directory, returning what ``subprocess.run(..., capture_output=True, text=True)`` does,
+* :func:`run_python`: ``python -c CODE ARGS``, ``python -m MODULE ARGS`` or ``python FILE ARGS`` with an
+  environment and a working directory, returning what ``subprocess.run(..., capture_output=True, text=True)`` does,
   and raising ``subprocess.TimeoutExpired`` (after killing the process and its children) past the
   timeout. Where the server holds a module it must not (some torch build imports triton itself),
   the command runs in a new interpreter instead.
@@ -47,29 +47,33 @@ def _python(kind: str, what: str, argv: list[str], env: dict, cwd: str, out: str
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    # as a new interpreter's sys.path: the script's directory (-c: the working directory, "-m": cwd),
-    # then PYTHONPATH, then the rest
-    sys.path[:0] = ["" if kind == "-c" else cwd, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    # as a new interpreter's sys.path: the file's directory (-c: the working directory's "", -m: the
+    # working directory), then PYTHONPATH, then the rest
+    first = {"-c": "", "-m": cwd}.get(kind, os.path.dirname(os.path.abspath(what)))
+    sys.path[:0] = [first, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
     try:
         if kind == "-c":
             sys.argv = ["-c", *argv]
             exec(compile(what, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-        else:
+        elif kind == "-m":
             sys.argv = [what, *argv]
             runpy.run_module(what, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [what, *argv]
+            runpy.run_path(what, run_name="__main__")
     finally:
         atexit._run_exitfuncs()
 
 
 def run_python(kind: str, what: str, *argv: str, env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
-    """``python KIND WHAT ARGV`` (``kind``: ``"-c"`` or ``"-m"``) in a process forked from the
-    torch-preloaded server, with exactly ``env`` as its environment."""
-    args = [sys.executable, kind, what, *argv]
+    """``python KIND WHAT ARGV`` (``kind``: ``"-c"``, ``"-m"``, or ``""`` for ``python FILE``) in a
+    process forked from the torch-preloaded server, with exactly ``env`` as its environment."""
+    args = [sys.executable, *([kind] if kind else []), str(what), *argv]
     with tempfile.TemporaryDirectory(prefix="vpce_warm_") as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
         for path in (out, err):
             open(path, "w").close()
-        proc = context().Process(target=_python, args=(kind, what, list(argv), dict(env), str(cwd), out, err))
+        proc = context().Process(target=_python, args=(kind, str(what), list(argv), dict(env), str(cwd), out, err))
         proc.start()
         proc.join(timeout)
         if proc.exitcode is None:
