@@ -181,7 +181,7 @@ def _interpreted(script: str, *args: str, kernels: str | None = None) -> None:
     env.pop("VPARALLEL_CE_FUSED", None)
     if kernels:  # the op's dispatcher: ``triton`` takes the Triton ops for CPU tensors too
         env["VPARALLEL_CE_KERNELS"] = kernels
-    proc = run_python("-c", script, *args, env=env, cwd=ROOT, timeout=300)
+    proc = run_python("-c", "import tests.fast_interpreter\n" + script, *args, env=env, cwd=ROOT, timeout=300)
     if proc.returncode and "only 0-dimensional arrays can be converted to Python scalars" in proc.stderr:
         pytest.skip("this Triton's interpreter is incompatible with the installed numpy (see test_kernels.py)")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

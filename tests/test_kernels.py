@@ -236,7 +236,7 @@ def _run_interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     env.pop("VPARALLEL_CE_KERNELS", None)
     env.pop("VPARALLEL_CE_FUSED", None)
-    proc = run_python("-c", script, *args, env=env, cwd=ROOT, timeout=240)
+    proc = run_python("-c", "import tests.fast_interpreter\n" + script, *args, env=env, cwd=ROOT, timeout=240)
     if proc.returncode and "only 0-dimensional arrays can be converted to Python scalars" in proc.stderr:
         # the interpreter of older Tritons (3.6) turns loop bounds into 1-element numpy arrays,
         # which numpy >= 2.4 refuses to convert to int; fixed in later Tritons (the compiled

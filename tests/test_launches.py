@@ -94,7 +94,7 @@ def test_log_prob_chunks_cost_a_few_launches_each():
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     env.pop("VPARALLEL_CE_KERNELS", None)
-    proc = run_python("-c", _COUNT, env=env, cwd=ROOT, timeout=300)
+    proc = run_python("-c", "import tests.fast_interpreter\n" + _COUNT, env=env, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     import json
 
