@@ -8,11 +8,12 @@ which read environment variables at import (``TRITON_INTERPRET``, ``VPARALLEL_CE
 imported by each process after its own environment is set, as in a new interpreter.
 
 * :func:`context`: the multiprocessing context of those processes (tests/dist.py's ranks);
-* :func:`run_python`: ``python -c CODE ARGS``, ``python -m MODULE ARGS`` or ``python FILE ARGS`` with an
-  environment and a working directory, returning what ``subprocess.run(..., capture_output=True, text=True)`` does,
-  and raising ``subprocess.TimeoutExpired`` (after killing the process and its children) past the
-  timeout. Where the server holds a module it must not (some torch build imports triton itself),
-  the command runs in a new interpreter instead.
+* :func:`run_python`: ``python -c CODE ARGS``, ``python -m MODULE ARGS`` or ``python FILE ARGS`` with
+  an environment and a working directory, returning what ``subprocess.run(..., capture_output=True,
+  text=True)`` does, and raising ``subprocess.TimeoutExpired`` (after killing the process and its
+  children) past the timeout. Where the server holds a module it must not (some torch build imports
+  triton itself), the command runs in a new interpreter instead;
+* :func:`start_python`: the same started, its output written to files (ranks started together).
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ import tempfile
 
 PRELOAD = ["torch"]
 _IMPORTED_AFTER_THE_ENVIRONMENT = ("triton", "vparallel_ce")
-_FRESH_INTERPRETER_NEEDED = 75  # the forked process's exit code when the server imported one of them
+# the forked process's exit code when the server imported one of them with other settings than asked
+FRESH_INTERPRETER_NEEDED = 75
+
+
+def _read_at_import(env) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(("TRITON_", "VPARALLEL_CE_"))}
 
 
 def context():
@@ -41,9 +47,16 @@ def _python(kind: str, what: str, argv: list[str], env: dict, cwd: str, out: str
 
     os.setsid()  # its own process group: killed with its children on a timeout
     for fd, path in ((1, out), (2, err)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_TRUNC), fd)
-    if any(name in sys.modules for name in _IMPORTED_AFTER_THE_ENVIRONMENT):
-        os._exit(_FRESH_INTERPRETER_NEEDED)
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
+    if (any(name in sys.modules for name in _IMPORTED_AFTER_THE_ENVIRONMENT)
+            and _read_at_import(env) != _read_at_import(os.environ)):
+        os._exit(FRESH_INTERPRETER_NEEDED)
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads != os.environ.get("OMP_NUM_THREADS", ""):
+        # OpenMP read the server's setting when torch was loaded: the one asked for, set through torch
+        import torch
+
+        torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else os.cpu_count() or 1)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -65,30 +78,48 @@ def _python(kind: str, what: str, argv: list[str], env: dict, cwd: str, out: str
         atexit._run_exitfuncs()
 
 
-def run_python(kind: str, what: str, *argv: str, env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
-    """``python KIND WHAT ARGV`` (``kind``: ``"-c"``, ``"-m"``, or ``""`` for ``python FILE``) in a
-    process forked from the torch-preloaded server, with exactly ``env`` as its environment."""
+def start_python(kind: str, what, *argv: str, env: dict, cwd, out, err=None):
+    """Start ``python KIND WHAT ARGV`` (``kind``: ``"-c"``, ``"-m"``, or ``""`` for ``python FILE``) in
+    a process forked from the torch-preloaded server, with exactly ``env`` as its environment, its
+    stdout written to the file ``out`` and its stderr to ``err`` (default: ``out`` too). Returns the
+    ``multiprocessing`` process: its own process group (``os.killpg(proc.pid, ...)`` ends it with its
+    children), ``exitcode`` as a ``Popen.returncode``; ``exitcode == FRESH_INTERPRETER_NEEDED`` when
+    the server imported a module that must come after the environment (then nothing ran)."""
+    proc = context().Process(target=_python, args=(kind, str(what), list(argv), dict(env), str(cwd), str(out),
+                                                   str(err if err is not None else out)))
+    proc.start()
+    return proc
+
+
+def run_python(kind: str, what, *argv: str, env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
+    """:func:`start_python`, waited for: what ``subprocess.run(capture_output=True, text=True)``
+    returns, or ``subprocess.TimeoutExpired`` once the process and its children are killed."""
     args = [sys.executable, *([kind] if kind else []), str(what), *argv]
     with tempfile.TemporaryDirectory(prefix="vpce_warm_") as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        for path in (out, err):
-            open(path, "w").close()
-        proc = context().Process(target=_python, args=(kind, str(what), list(argv), dict(env), str(cwd), out, err))
-        proc.start()
+        proc = start_python(kind, what, *argv, env=env, cwd=cwd, out=out, err=err)
         proc.join(timeout)
         if proc.exitcode is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.join(5)
+            kill(proc)
             raise subprocess.TimeoutExpired(args, timeout, _read(out), _read(err))
-        if proc.exitcode == _FRESH_INTERPRETER_NEEDED:
+        if proc.exitcode == FRESH_INTERPRETER_NEEDED:
             return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                                   stdin=subprocess.DEVNULL)
         return subprocess.CompletedProcess(args, proc.exitcode, _read(out), _read(err))
 
 
+def kill(proc) -> None:
+    """End a process of :func:`start_python` and every process it started."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.join(5)
+
+
 def _read(path: str) -> str:
-    with open(path, errors="replace") as fh:
-        return fh.read()
+    try:
+        with open(path, errors="replace") as fh:
+            return fh.read()
+    except FileNotFoundError:  # the process ended before it opened its output
+        return ""
