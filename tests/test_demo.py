@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.warm import run_python
+from tests.warm import run_like_torchrun, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -87,9 +87,15 @@ def assert_ok(stdout: str) -> None:
     assert float(errors.group(1)) < 1e-4 and float(errors.group(2)) < 1e-4, errors.group(0)
 
 
-def train(tmp_path: Path, nproc: int, *args: str) -> dict[int, float]:
-    """Run the demo under torchrun, check its verdict and return {step: loss}."""
-    proc = run(torchrun_cmd(nproc, "--master-port", str(free_port()), str(DEMO), *COMMON, *args), cwd=tmp_path)
+def train(tmp_path: Path, nproc: int, *args: str, agent: bool = True) -> dict[int, float]:
+    """Run the demo under torchrun, check its verdict and return {step: loss}; ``agent=False``: its
+    ranks with the environment torchrun gives them, without the agent, forked from a process that
+    imported torch already (tests/warm.py)."""
+    if agent:
+        proc = run(torchrun_cmd(nproc, "--master-port", str(free_port()), str(DEMO), *COMMON, *args), cwd=tmp_path)
+    else:
+        proc = run_like_torchrun("", DEMO, *COMMON, *args, nproc=nproc, env=_cpu_env(), cwd=tmp_path, logdir=tmp_path,
+                                 timeout=RUN_TIMEOUT, port=free_port())
     return checked_curve(proc)
 
 
@@ -132,13 +138,15 @@ def _reference_curve(tmp: Path) -> dict[int, float]:
     return curve
 
 
-@pytest.mark.parametrize("nproc, extra", [(8, []), (4, ["--dp", "1", "--tp", "2", "--pp", "2", "--loss", "chunked",
-                                                             "--sp"])], ids=["readme-dp2-tp2-pp2-fused", "tp2-pp2-chunked-sp"])
-def test_parallel_layouts_match_one_process(tmp_path, reference, nproc, extra):
-    """8 ranks with no layout flags: the README's DP2 x TP2 x PP2 with the fused loss; the chunked
-    loss with sequence parallelism on TP2 x PP2 (4 ranks: DP is covered by the README's layout and
-    the two nodes)."""
-    assert_same_curve(train(tmp_path, nproc, *extra), reference)
+@pytest.mark.parametrize("nproc, extra, agent", [
+    (8, [], True), (4, ["--dp", "1", "--tp", "2", "--pp", "2", "--loss", "chunked", "--sp"], False),
+], ids=["readme-dp2-tp2-pp2-fused", "tp2-pp2-chunked-sp"])
+def test_parallel_layouts_match_one_process(tmp_path, reference, nproc, extra, agent):
+    """8 ranks with no layout flags, through torchrun as the README runs them: the README's DP2 x
+    TP2 x PP2 with the fused loss; the chunked loss with sequence parallelism on TP2 x PP2 (4 ranks
+    as torchrun starts them, without its agent: DP is covered by the README's layout and the two
+    nodes)."""
+    assert_same_curve(train(tmp_path, nproc, *extra, agent=agent), reference)
 
 
 def test_two_nodes_on_loopback(tmp_path, reference):

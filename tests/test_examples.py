@@ -2,21 +2,20 @@
 
 tp_cross_entropy.py, grad_accumulation.py (DDP and FSDP2), distillation.py and rollout_support.py start
 their two gloo processes themselves (launch/examples/_spawn.py), or run as torchrun's ranks
-(grad_accumulation.py is run that way here, the others start their own); rl_logprobs.py and
-hf_llama.py are one process each (hf_llama.py needs transformers: skipped without it). Each run has a bounded wall time.
+(grad_accumulation.py is run that way here: two ranks with the environment torchrun gives them; the
+others start their own); rl_logprobs.py and hf_llama.py are one process each (hf_llama.py needs
+transformers: skipped without it). Each run has a bounded wall time.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.warm import run_python
+from tests.warm import run_like_torchrun, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "launch" / "examples"
@@ -41,7 +40,7 @@ def _free_port() -> int:
 @pytest.mark.parametrize("cmd", [
     ["tp_cross_entropy.py"],
     ["rl_logprobs.py"],
-    ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "PORT", "grad_accumulation.py"],
+    ["torchrun's ranks", "grad_accumulation.py"],
     ["distillation.py"],
     ["hf_llama.py"],
     ["rollout_support.py"],
@@ -49,11 +48,12 @@ def _free_port() -> int:
 def test_example_runs_and_checks_itself(tmp_path, cmd):
     if cmd == ["hf_llama.py"]:
         pytest.importorskip("transformers")
-    cmd = [str(EXAMPLES / c) if c.endswith(".py") else str(_free_port()) if c == "PORT" else c for c in cmd]
-    if cmd[0].endswith(".py"):  # python FILE: forked from a process that imported torch already (tests/warm.py)
-        proc = run_python("", cmd[0], *cmd[1:], env=_env(), cwd=tmp_path, timeout=TIMEOUT)
+    # forked from a process that imported torch already (tests/warm.py): python FILE, or the two ranks of
+    # torchrun --nproc-per-node 2 FILE with the environment torchrun gives them
+    if cmd[0] == "torchrun's ranks":
+        proc = run_like_torchrun("", EXAMPLES / cmd[1], nproc=2, env=_env(), cwd=tmp_path, logdir=tmp_path,
+                                 timeout=TIMEOUT, port=_free_port())
     else:
-        proc = subprocess.run([sys.executable, *cmd], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                              timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+        proc = run_python("", EXAMPLES / cmd[0], *cmd[1:], env=_env(), cwd=tmp_path, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.rstrip().endswith("OK"), proc.stdout[-2000:]

@@ -21,13 +21,12 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.test_demo import _env as demo_env, free_port
-from tests.warm import kill, start_python
+from tests.warm import join_all, start_python
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "tests" / "torchtitan_cpu.py"
@@ -266,12 +265,7 @@ def train(assets: Path, tmp: Path, nproc: int, layout: tuple, runs: dict[str, tu
         logs[r].write_text("")
         procs.append(start_python("", LAUNCHER, *argv, env=env, cwd=tmp, out=logs[r]))
     timeout = RUN_TIMEOUT[0] + RUN_TIMEOUT[1] * len(runs)
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    if any(p.exitcode is None for p in procs):
-        for p in procs:
-            kill(p)
+    if not join_all(procs, timeout):
         pytest.fail(f"{_last_run(runs, logs[-1])}: torchtitan did not finish within {timeout}s:\n"
                     f"{logs[-1].read_text()[-4000:]}")
     for r, p in enumerate(procs):

@@ -13,7 +13,8 @@ imported by each process after its own environment is set, as in a new interpret
   text=True)`` does, and raising ``subprocess.TimeoutExpired`` (after killing the process and its
   children) past the timeout. Where the server holds a module it must not (some torch build imports
   triton itself), the command runs in a new interpreter instead;
-* :func:`start_python`: the same started, its output written to files (ranks started together).
+* :func:`start_python`: the same started, its output written to files (ranks started together);
+  :func:`run_like_torchrun`: the ranks of ``torchrun --nproc_per_node N`` without its agent.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 PRELOAD = ["torch"]
 _IMPORTED_AFTER_THE_ENVIRONMENT = ("triton", "vparallel_ce")
@@ -106,6 +108,46 @@ def run_python(kind: str, what, *argv: str, env: dict, cwd, timeout: float) -> s
             return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                                   stdin=subprocess.DEVNULL)
         return subprocess.CompletedProcess(args, proc.exitcode, _read(out), _read(err))
+
+
+def run_like_torchrun(kind: str, what, *argv: str, nproc: int, env: dict, cwd, logdir, timeout: float,
+                      port: int) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node NPROC [KIND] WHAT ARGV`` on one host, without its agent: the ranks
+    with the environment torchrun gives them, started by :func:`start_python`, their output in
+    ``logdir``. Returns rank 0's stdout and stderr with the first non-zero exit code of the ranks (the
+    failed rank's output added to stderr); past ``timeout``, kills every rank and raises
+    ``subprocess.TimeoutExpired``."""
+    args = ["torchrun", "--nproc_per_node", str(nproc), *([kind] if kind else []), str(what), *argv]
+    logs = [(os.path.join(logdir, f"rank{r}.out"), os.path.join(logdir, f"rank{r}.err")) for r in range(nproc)]
+    procs = [start_python(kind, what, *argv, cwd=cwd, out=out, err=err,
+                          env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "GROUP_RANK": "0",
+                               "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                               "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")})
+             for r, (out, err) in enumerate(logs)]
+    finished = join_all(procs, timeout)
+    out0, err0 = (_read(path) for path in logs[0])
+    if not finished:
+        raise subprocess.TimeoutExpired(args, timeout, out0, err0)
+    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if failed:
+        r, code = failed[0]
+        err0 += f"\n--- rank {r} exited {code}:\n{_read(logs[r][0])[-3000:]}\n{_read(logs[r][1])[-6000:]}"
+        return subprocess.CompletedProcess(args, code, out0, err0)
+    return subprocess.CompletedProcess(args, 0, out0, err0)
+
+
+def join_all(procs, timeout: float) -> bool:
+    """Wait for every process of :func:`start_python` until ``timeout`` seconds from now; if one is
+    still running then, kill them all and return False."""
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    if all(p.exitcode is not None for p in procs):
+        return True
+    for p in procs:
+        kill(p)
+    return False
 
 
 def kill(proc) -> None:
