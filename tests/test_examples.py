@@ -1,10 +1,11 @@
 """The minimal examples in launch/examples/ run on CPU and check themselves (each ends with OK).
 
 tp_cross_entropy.py, grad_accumulation.py (DDP and FSDP2), distillation.py and rollout_support.py start
-their two gloo processes themselves (launch/examples/_spawn.py), or run as torchrun's ranks
-(grad_accumulation.py is run that way here: two ranks with the environment torchrun gives them; the
-others start their own); rl_logprobs.py and hf_llama.py are one process each (hf_llama.py needs
-transformers: skipped without it). Each run has a bounded wall time.
+their two gloo processes themselves (launch/examples/_spawn.py), or run as torchrun's ranks: here
+tp_cross_entropy.py starts its own, the other three run as two ranks with the environment torchrun
+gives them (the examples' code is the same either way past _spawn.py); rl_logprobs.py and
+hf_llama.py are one process each (hf_llama.py needs transformers: skipped without it). Each run has
+a bounded wall time.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ def _free_port() -> int:
     ["tp_cross_entropy.py"],
     ["rl_logprobs.py"],
     ["torchrun's ranks", "grad_accumulation.py"],
-    ["distillation.py"],
+    ["torchrun's ranks", "distillation.py"],
     ["hf_llama.py"],
-    ["rollout_support.py"],
+    ["torchrun's ranks", "rollout_support.py"],
 ], ids=["tp", "rl", "grad-accumulation-torchrun", "distillation", "hf-llama", "rollout-support"])
 def test_example_runs_and_checks_itself(tmp_path, cmd):
     if cmd == ["hf_llama.py"]:
