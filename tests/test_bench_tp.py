@@ -12,22 +12,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 from pathlib import Path
 
 import pytest
 
-from tests.warm import run_like_torchrun
+from tests.warm import free_port, run_like_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("ours_lce:auto", "ours_lce:token1", "ours_ce", "megatron_ce", "loss_parallel")
 ROW_RE = re.compile(r"^\| 2 \| (\S+) \| (\S+) \| [^|]* \| ([0-9.]+) \| [^|]* \| ([0-9.-]+) \|", re.M)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

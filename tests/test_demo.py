@@ -21,14 +21,13 @@ import fcntl
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.warm import run_like_torchrun, run_python
+from tests.warm import free_port, run_like_torchrun, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +40,6 @@ RUN_TIMEOUT = 240  # seconds per torchrun; a hang fails the test instead of the 
 STEP_RE = re.compile(r"^step: (\d+)  loss: ([-+0-9.eEnaif]+)", re.M)
 CHECK_RE = re.compile(r"^check, step 1 against one process .* \(rel ([0-9.e+-]+)\), grad norm .* \(rel ([0-9.e+-]+)\)",
                       re.M)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:

@@ -11,12 +11,11 @@ a bounded wall time.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 
-from tests.warm import run_like_torchrun, run_python
+from tests.warm import free_port, run_like_torchrun, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "launch" / "examples"
@@ -30,12 +29,6 @@ def _env() -> dict:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.pop("OMP_NUM_THREADS", None)
     return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("cmd", [
@@ -53,7 +46,7 @@ def test_example_runs_and_checks_itself(tmp_path, cmd):
     # torchrun --nproc-per-node 2 FILE with the environment torchrun gives them
     if cmd[0] == "torchrun's ranks":
         proc = run_like_torchrun("", EXAMPLES / cmd[1], nproc=2, env=_env(), cwd=tmp_path, logdir=tmp_path,
-                                 timeout=TIMEOUT, port=_free_port())
+                                 timeout=TIMEOUT, port=free_port())
     else:
         proc = run_python("", EXAMPLES / cmd[0], *cmd[1:], env=_env(), cwd=tmp_path, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -20,8 +20,11 @@ imported by each process after its own environment is set, as in a new interpret
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -129,25 +132,49 @@ def run_like_torchrun(kind: str, what, *argv: str, nproc: int, env: dict, cwd, l
     out0, err0 = (_read(path) for path in logs[0])
     if not finished:
         raise subprocess.TimeoutExpired(args, timeout, out0, err0)
-    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-    if failed:
-        r, code = failed[0]
+    failed = sorted(((p.exitcode < 0, r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0))
+    if failed:  # the first rank that failed by itself, before one that was killed
+        _, r, code = failed[0]
         err0 += f"\n--- rank {r} exited {code}:\n{_read(logs[r][0])[-3000:]}\n{_read(logs[r][1])[-6000:]}"
         return subprocess.CompletedProcess(args, code, out0, err0)
     return subprocess.CompletedProcess(args, 0, out0, err0)
 
 
+def free_port() -> int:
+    """A loopback port free now, below the kernel's range of ephemeral ports (where it can tell), so
+    that no connection made meanwhile takes it as its local port before the run listens on it."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            low = int(fh.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng = random.Random()
+    for _ in range(100 if low > 11000 else 0):
+        port = rng.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def join_all(procs, timeout: float) -> bool:
-    """Wait for every process of :func:`start_python` until ``timeout`` seconds from now; if one is
-    still running then, kill them all and return False."""
+    """Wait for every process of :func:`start_python`, for ``timeout`` seconds at most. As torchrun's
+    agent does, a process that fails ends the others at once (they may wait in a collective for it);
+    so does the timeout, and then the answer is False."""
     deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    if all(p.exitcode is not None for p in procs):
-        return True
-    for p in procs:
-        kill(p)
-    return False
+    while any(p.exitcode is None for p in procs):
+        left = deadline - time.monotonic()
+        if left <= 0 or any(p.exitcode not in (None, 0) for p in procs):
+            for p in procs:
+                kill(p)
+            return left > 0
+        mp.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=min(left, 1.0))
+    return True
 
 
 def kill(proc) -> None:
