@@ -1,4 +1,4 @@
-"""Run a benchmark module's ``--smoke`` mode on CPU in a subprocess (test helper)."""
+"""Run a benchmark module's ``--smoke`` mode on CPU in a new process (test helper; tests/warm.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
+
+from tests.warm import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW_RE = re.compile(r"^\| (smoke\S*) \| (\S+) \| ([0-9.]+) \|", re.M)
@@ -19,8 +20,7 @@ def run_bench(module: str, out: Path, *args: str, timeout: float = 240) -> subpr
     env = dict(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", module, "--smoke", "--out", str(out), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    proc = run_python("-m", module, "--smoke", "--out", str(out), *args, env=env, cwd=ROOT, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
 

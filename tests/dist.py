@@ -3,7 +3,8 @@
 ``run_ranks(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` on every rank of a
 process group and returns the list of results, rank by rank. ``fn`` must be a module-level function
 (it is pickled by reference). Workers are kept alive between calls (one pool per world size per
-test process), because spawning and importing torch costs seconds on a 2-core machine.
+test process), because starting a process costs seconds on a 2-core machine; they are forked from a
+server that imported torch once (tests/warm.py).
 
 Failure never hangs:
 
@@ -19,12 +20,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import multiprocessing as mp
 import os
 import queue
 import tempfile
 import time
 import traceback
+
+from tests import warm
 
 PG_TIMEOUT = datetime.timedelta(seconds=60)
 DEFAULT_TIMEOUT = 180.0
@@ -36,7 +38,7 @@ class RankFailure(AssertionError):
     """A rank raised, timed out or died; carries the remote traceback."""
 
 
-def _worker(rank, world, store_path, inbox, outbox):
+def _worker(rank, world, store_path, inbox, outbox, test_process):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -44,14 +46,14 @@ def _worker(rank, world, store_path, inbox, outbox):
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=PG_TIMEOUT)
-    parent = os.getppid()
     while True:
         try:
             job = inbox.get(timeout=5.0)
         except queue.Empty:
             # a test process killed by a signal runs no atexit hook: do not outlive it (leftover
-            # pools of killed runs filled a dev machine's memory and timed later runs out)
-            if os.getppid() != parent:
+            # pools of killed runs filled a dev machine's memory and timed later runs out). Its pid,
+            # not this process's parent: that is the process server, which lives as long as we do
+            if not _alive(test_process):
                 os._exit(0)
             continue
         if job is None:
@@ -65,16 +67,25 @@ def _worker(rank, world, store_path, inbox, outbox):
     dist.destroy_process_group()
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 class _Pool:
     def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
+        ctx = warm.context()  # forked from a process that imported torch once (tests/warm.py)
         self.world = world
         self.tmp = tempfile.mkdtemp(prefix="vpce_store_")
         store_path = os.path.join(self.tmp, "store")
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world)]
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world, store_path, self.inboxes[r], self.outbox), daemon=True)
+            ctx.Process(target=_worker, args=(r, world, store_path, self.inboxes[r], self.outbox, os.getpid()),
+                        daemon=True)
             for r in range(world)
         ]
         for p in self.procs:

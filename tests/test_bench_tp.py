@@ -1,4 +1,5 @@
-"""Smoke test of ``torchrun -m launch.bench.tp``: 2 gloo ranks on CPU, tiny shapes (``--smoke``).
+"""Smoke test of ``torchrun --nproc_per_node 2 -m launch.bench.tp``: its 2 gloo ranks on CPU, tiny shapes
+(``--smoke``).
 
 Checks that the benchmark exits 0 (every correctness check of our ops within tolerance at TP=2,
 bf16/fp32, sequence parallel on/off), prints its final table with a row per method, and writes JSON
@@ -11,36 +12,28 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.warm import free_port, run_like_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("ours_lce:auto", "ours_lce:token1", "ours_ce", "megatron_ce", "loss_parallel")
 ROW_RE = re.compile(r"^\| 2 \| (\S+) \| (\S+) \| [^|]* \| ([0-9.]+) \| [^|]* \| ([0-9.-]+) \|", re.M)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_bench_tp_smoke_two_gloo_ranks(tmp_path):
+    out = tmp_path / "bench_tp.jsonl"
     env = dict(os.environ)
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.pop("OMP_NUM_THREADS", None)
-    out = tmp_path / "bench_tp.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "launch.bench.tp", "--smoke", "--repeats", "2", "--warmup", "1", "--timeout", "60", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-                          stdin=subprocess.DEVNULL)
+    # torchrun's two ranks, forked from a process that imported torch already (tests/warm.py)
+    proc = run_like_torchrun("-m", "launch.bench.tp", "--smoke", "--repeats", "2", "--warmup", "1", "--timeout", "60",
+                             "--out", str(out), nproc=2, env=env, cwd=ROOT, logdir=tmp_path, timeout=120,
+                             port=free_port())
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     assert "## launch.bench.tp: world 2 (gloo)" in proc.stdout, log[-4000:]

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.warm import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -181,8 +181,7 @@ def _interpreted(script: str, *args: str, kernels: str | None = None) -> None:
     env.pop("VPARALLEL_CE_FUSED", None)
     if kernels:  # the op's dispatcher: ``triton`` takes the Triton ops for CPU tensors too
         env["VPARALLEL_CE_KERNELS"] = kernels
-    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_python("-c", "import tests.fast_interpreter\n" + script, *args, env=env, cwd=ROOT, timeout=300)
     if proc.returncode and "only 0-dimensional arrays can be converted to Python scalars" in proc.stderr:
         pytest.skip("this Triton's interpreter is incompatible with the installed numpy (see test_kernels.py)")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

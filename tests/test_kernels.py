@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.reference import reference_loss
+from tests.warm import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -235,8 +236,7 @@ def _run_interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     env.pop("VPARALLEL_CE_KERNELS", None)
     env.pop("VPARALLEL_CE_FUSED", None)
-    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=240)
+    proc = run_python("-c", "import tests.fast_interpreter\n" + script, *args, env=env, cwd=ROOT, timeout=240)
     if proc.returncode and "only 0-dimensional arrays can be converted to Python scalars" in proc.stderr:
         # the interpreter of older Tritons (3.6) turns loop bounds into 1-element numpy arrays,
         # which numpy >= 2.4 refuses to convert to int; fixed in later Tritons (the compiled
@@ -521,8 +521,7 @@ def test_settings_come_from_the_environment_at_import_only():
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path, "VPARALLEL_CE_KERNELS": "torch", "VPARALLEL_CE_FUSED": "0",
            "VPARALLEL_CE_FUSED_WS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _SETTINGS_FROM_ENVIRONMENT], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=240)
+    proc = run_python("-c", _SETTINGS_FROM_ENVIRONMENT, env=env, cwd=ROOT, timeout=240)
     assert proc.returncode == 0 and "SETTINGS_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 

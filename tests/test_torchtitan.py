@@ -18,22 +18,21 @@ Every run has a bounded wall time and is killed (with its ranks) when it overrun
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.test_demo import _env as demo_env, free_port
+from tests.test_demo import _env as demo_env
+from tests.warm import free_port, join_all, start_python
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "tests" / "torchtitan_cpu.py"
 ASSETS = ROOT / "launch" / "cluster" / "torchtitan_assets.py"
 RUN_TIMEOUT = 120, 60  # seconds per set of processes: to start, and per trainer run in it
-STEPS = 3
+STEPS = 2  # step 1's loss and gradient norm, then step 2's after one optimizer update: the curve
 STEP_RE = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eEnaif]+)\s+grad_norm:\s*([-+0-9.eEnaif]+)")
 OVERRIDES = "vparallel_ce.integrations.torchtitan.overrides"
 LOGITS = ("--override.imports", f"{OVERRIDES}.vparallel_cross_entropy")
@@ -260,26 +259,18 @@ def train(assets: Path, tmp: Path, nproc: int, layout: tuple, runs: dict[str, tu
     ports = ",".join(str(free_port()) for _ in runs)
     logs = [tmp / f"rank{r}.log" for r in range(nproc)]
     procs = []
-    for r in range(nproc):
+    for r in range(nproc):  # python LAUNCHER argv, forked from a process that imported torch (tests/warm.py)
         env = {**_env(), "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORTS": ports}
-        with open(logs[r], "w") as out:
-            procs.append(subprocess.Popen([sys.executable, str(LAUNCHER), *argv], cwd=tmp, env=env,
-                                          stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+        logs[r].write_text("")
+        procs.append(start_python("", LAUNCHER, *argv, env=env, cwd=tmp, out=logs[r]))
     timeout = RUN_TIMEOUT[0] + RUN_TIMEOUT[1] * len(runs)
-    try:
-        for p in procs:
-            p.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+    if not join_all(procs, timeout):
         pytest.fail(f"{_last_run(runs, logs[-1])}: torchtitan did not finish within {timeout}s:\n"
                     f"{logs[-1].read_text()[-4000:]}")
-    for r, p in enumerate(procs):
-        assert p.returncode == 0, (f"{_last_run(runs, logs[r])} rank {r} failed ({p.returncode}):\n"
-                                   f"{logs[r].read_text()[-6000:]}")
+    # the first rank that failed by itself, before one that was ended for it
+    for _, r, code in sorted((p.exitcode < 0, r, p.exitcode) for r, p in enumerate(procs)):
+        assert code == 0, f"{_last_run(runs, logs[r])} rank {r} failed ({code}):\n{logs[r].read_text()[-6000:]}"
     parts = re.split(r"^vparallel-run: \d+$", logs[-1].read_text(), flags=re.M)[1:]
     assert len(parts) == len(runs), logs[-1].read_text()[-3000:]
     curves = {}

@@ -128,7 +128,7 @@ def test_trainer_gives_torchtitans_mtp_curves(assets, tmp_path):  # noqa: F811 (
     its MTPLoss, then ours through the two overrides. (An untrained model's loss is about
     (1 + mtp_scale) ln V = 9.9: one depth.)"""
     runs = {"torchtitan": (), "fused MTP": FUSED_MTP}
-    curves = train(assets, tmp_path, 1, (), runs, config="deepseek_v3_mtp_debugmodel", steps=3)
+    curves = train(assets, tmp_path, 1, (), runs, config="deepseek_v3_mtp_debugmodel")
     assert_same_curves(curves, max_loss=15.0)
 
 
