@@ -25,18 +25,19 @@ stand-in is installed only where torch lacks what it stands in for.
    out, and refuses ``False`` (torchtitan's batch-invariant mode), which torch 2.11 cannot do.
 3. The pre-backward hook of an FSDP group whose modules did not all run forward. torchtitan 0.3.0
    shards ``[norm, lm_head]`` as one FSDP group, and under ``ChunkedLossWrapper`` the model's
-   forward skips the lm_head (``_skip_lm_head=True``). torch >= 2.12 completes such a group at the
-   root's post-forward (``FSDPState._force_complete_incomplete_states``), which hooks the norm's
-   output so that its backward gathers the group's parameters again; torch 2.11 runs a group's
-   post-forward only once every module in it has run, here at the wrapper's first lm_head chunk,
-   so the norm's output gets no hook. The wrapper ends its chunks with an explicit
-   ``lm_head.reshard()``, which frees the norm's unsharded weight too, and the decoder's backward
-   then reads freed memory ("its data is not allocated yet" on CUDA, a crash on CPU). The stand-in
-   makes that explicit ``FSDPModule.reshard()`` keep the parameters (FSDP's own reshards, after
-   forward and backward, are untouched; torchtitan calls ``reshard()`` nowhere else). On one GPU the
-   memory is what torch 2.12 gives: there the group is freed at the wrapper's end and gathered
-   again at the start of the decoder's backward, the step's peak; here it stays until the norm's
-   backward has run, and one gather (a copy of the lm_head, at world 1) is not made.
+   forward skips the lm_head (``_skip_lm_head=True``). Newer torch (2.13's sources read) completes
+   such a group at the root's post-forward (``FSDPState._force_complete_incomplete_states``),
+   which hooks the norm's output so that its backward gathers the group's parameters again;
+   torch 2.11 runs a group's post-forward only once every module in it has run, here at the
+   wrapper's first lm_head chunk, so the norm's output gets no hook. The wrapper ends its chunks
+   with an explicit ``lm_head.reshard()``, which frees the norm's unsharded weight too, and the
+   decoder's backward then reads freed memory ("its data is not allocated yet" on CUDA, a crash
+   on CPU). The stand-in makes that explicit ``FSDPModule.reshard()`` keep the parameters
+   (FSDP's own reshards, after forward and backward, are untouched; torchtitan calls
+   ``reshard()`` nowhere else). On one GPU the step's peak should be the newer torch's: there the
+   group is freed at the wrapper's end and gathered again at the start of the decoder's backward,
+   the step's peak; here it stays until the norm's backward has run, and one gather (a copy of
+   the lm_head, at world 1) is not made.
 
 The rest of what the world-1 llama3 trainer uses exists in torch 2.11 (checked against torch
 2.11.0's sources: every torch name that torchtitan's and spmd_types' modules import or reference,
