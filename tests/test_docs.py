@@ -33,6 +33,7 @@ import contextlib
 import doctest
 import inspect
 import io
+import itertools
 import os
 import pathlib
 import re
@@ -95,13 +96,17 @@ def snippets() -> list[Snippet]:
 SNIPPETS = snippets()
 
 
+_SNIPPET_IDS = itertools.count()
+
+
 def _namespace(**extra) -> dict:
     import torch
 
     torch.manual_seed(0)
     # the snippet's globals are a registered module's: dynamo looks a traced frame's module up by
-    # its globals' __name__ (sys.modules), so a snippet that calls torch.compile needs one there
-    module = types.ModuleType("__doc_snippet__")
+    # its globals' __name__ (sys.modules), so a snippet that calls torch.compile needs one there;
+    # one name per snippet, so no guard of an earlier snippet's compiled code reads this one's
+    module = types.ModuleType(f"__doc_snippet_{next(_SNIPPET_IDS)}__")
     module.__dict__.update(torch=torch, **extra)
     sys.modules[module.__name__] = module
     return module.__dict__
