@@ -10,16 +10,13 @@ the checks run in fresh subprocesses. With CUDA, bf16 at a medium size.
 from __future__ import annotations
 
 import importlib.util
-import os
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.warm import run_python
+from tests.test_kernels import _run_interpreted
 
-ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -176,14 +173,7 @@ _STATS_AND_GRADS = _CASES + textwrap.dedent(
 
 
 def _interpreted(script: str, *args: str, kernels: str | None = None) -> None:
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
-    env.pop("VPARALLEL_CE_FUSED", None)
-    if kernels:  # the op's dispatcher: ``triton`` takes the Triton ops for CPU tensors too
-        env["VPARALLEL_CE_KERNELS"] = kernels
-    proc = run_python("-c", "import tests.fast_interpreter\n" + script, *args, env=env, cwd=ROOT, timeout=300)
-    if proc.returncode and "only 0-dimensional arrays can be converted to Python scalars" in proc.stderr:
-        pytest.skip("this Triton's interpreter is incompatible with the installed numpy (see test_kernels.py)")
+    proc = _run_interpreted(script, *args, kernels=kernels, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "FUSED_CHECKS_OK" in proc.stdout
 

@@ -229,14 +229,18 @@ _INTERPRETER_CHECKS = textwrap.dedent(
 )
 
 
-def _run_interpreted(script: str, *args: str) -> subprocess.CompletedProcess:
+def _run_interpreted(script: str, *args: str, kernels: str | None = None,
+                     timeout: float = 240) -> subprocess.CompletedProcess:
     """``script`` in a fresh Python with ``TRITON_INTERPRET=1`` (set before triton is imported) and
-    the kernel dispatch left at its defaults."""
+    the kernel dispatch left at its defaults, or set to ``kernels`` (``"triton"`` takes the Triton
+    ops for CPU tensors too)."""
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     env.pop("VPARALLEL_CE_KERNELS", None)
     env.pop("VPARALLEL_CE_FUSED", None)
-    proc = run_python("-c", "import tests.fast_interpreter\n" + script, *args, env=env, cwd=ROOT, timeout=240)
+    if kernels:
+        env["VPARALLEL_CE_KERNELS"] = kernels
+    proc = run_python("-c", "import tests.fast_interpreter\n" + script, *args, env=env, cwd=ROOT, timeout=timeout)
     if proc.returncode and "only 0-dimensional arrays can be converted to Python scalars" in proc.stderr:
         # the interpreter of older Tritons (3.6) turns loop bounds into 1-element numpy arrays,
         # which numpy >= 2.4 refuses to convert to int; fixed in later Tritons (the compiled

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_demo import _env as demo_env
-from tests.warm import free_port, join_all, start_python
+from tests.warm import first_failure, free_port, join_all, start_python
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHER = ROOT / "tests" / "torchtitan_cpu.py"
@@ -268,9 +268,10 @@ def train(assets: Path, tmp: Path, nproc: int, layout: tuple, runs: dict[str, tu
     if not join_all(procs, timeout):
         pytest.fail(f"{_last_run(runs, logs[-1])}: torchtitan did not finish within {timeout}s:\n"
                     f"{logs[-1].read_text()[-4000:]}")
-    # the first rank that failed by itself, before one that was ended for it
-    for _, r, code in sorted((p.exitcode < 0, r, p.exitcode) for r, p in enumerate(procs)):
-        assert code == 0, f"{_last_run(runs, logs[r])} rank {r} failed ({code}):\n{logs[r].read_text()[-6000:]}"
+    failed = first_failure(procs)
+    if failed:
+        r, code = failed
+        pytest.fail(f"{_last_run(runs, logs[r])} rank {r} failed ({code}):\n{logs[r].read_text()[-6000:]}")
     parts = re.split(r"^vparallel-run: \d+$", logs[-1].read_text(), flags=re.M)[1:]
     assert len(parts) == len(runs), logs[-1].read_text()[-3000:]
     curves = {}

@@ -132,12 +132,19 @@ def run_like_torchrun(kind: str, what, *argv: str, nproc: int, env: dict, cwd, l
     out0, err0 = (_read(path) for path in logs[0])
     if not finished:
         raise subprocess.TimeoutExpired(args, timeout, out0, err0)
-    failed = sorted(((p.exitcode < 0, r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0))
-    if failed:  # the first rank that failed by itself, before one that was killed
-        _, r, code = failed[0]
+    failed = first_failure(procs)
+    if failed:
+        r, code = failed
         err0 += f"\n--- rank {r} exited {code}:\n{_read(logs[r][0])[-3000:]}\n{_read(logs[r][1])[-6000:]}"
         return subprocess.CompletedProcess(args, code, out0, err0)
     return subprocess.CompletedProcess(args, 0, out0, err0)
+
+
+def first_failure(procs) -> tuple[int, int] | None:
+    """``(rank, exit code)`` of the first of ``procs`` (ended processes, in rank order) that failed by
+    itself, before one that was killed for it (a negative code); None where every one exited 0."""
+    failed = sorted((p.exitcode < 0, r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0)
+    return (failed[0][1], failed[0][2]) if failed else None
 
 
 def free_port() -> int:
