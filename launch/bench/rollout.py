@@ -15,8 +15,9 @@ Methods (each the loss ``-(adv * logp).mean()`` and its backward into hidden and
 
 Shapes: ``qwen3-8b`` (N=8192, H=4096, V=151936) and ``qwen3-8b-tp8``, one rank's share of a TP=8
 group on one GPU: its vocab shard (V=18992) with ``ceil(K/8)`` of each row's ids in it. Reports
-the median ms (CUDA events, rounds), peak GiB and the errors of logp and dh on 256 rows against a
-float64 reference of the set's log-probs.
+the median ms (CUDA events, rounds), peak GiB and each method's errors of logp and dh on 256 rows
+against a float64 reference: of the set's log-probs, or of the whole vocabulary's for ``full``
+and ``verl``.
 
     python -m launch.bench.rollout --out rollout.jsonl     # one GPU, bf16
     python -m launch.bench.rollout --set-modes auto,gather,gemm --methods set,full   # both modes
@@ -59,8 +60,12 @@ def _loss(logp, adv):
     return -(adv * logp).mean()
 
 
+def logp_set(h, w, t, ids):
+    return vparallel_ce.linear_token_logprobs(h, w, t, support=ids)
+
+
 def method_set(h, w, t, ids, adv):
-    return _loss(vparallel_ce.linear_token_logprobs(h, w, t, support=ids), adv)
+    return _loss(logp_set(h, w, t, ids), adv)
 
 
 # GATHER_RATIO that forces a mode: 0 gathers every chunk, a huge one never does
@@ -87,45 +92,63 @@ def set_in_mode(mode: str):
     return method
 
 
+def logp_full(h, w, t, ids):
+    return vparallel_ce.linear_token_logprobs(h, w, t)
+
+
 def method_full(h, w, t, ids, adv):
-    return _loss(vparallel_ce.linear_token_logprobs(h, w, t), adv)
+    return _loss(logp_full(h, w, t, ids), adv)
 
 
-def _gathered_set(h, w, t, ids, adv):
-    x = (h @ w.T).float()
+def _set_logp(x, t, ids):
+    """log-probs of ``t`` over the kept ids of each row of the logits ``x`` (gather, mask, log_softmax)."""
     masked = torch.full_like(x, float("-inf")).scatter(1, ids, x.gather(1, ids))
-    logp = torch.log_softmax(masked, -1).gather(1, t[:, None]).squeeze(-1)
-    return _loss(logp, adv)
+    return torch.log_softmax(masked, -1).gather(1, t[:, None]).squeeze(-1)
 
 
-_COMPILED = torch.compile(_gathered_set, dynamic=False)
+_COMPILED_LOGP = torch.compile(lambda h, w, t, ids: _set_logp((h @ w.T).float(), t, ids), dynamic=False)
+_COMPILED = torch.compile(lambda h, w, t, ids, adv: _loss(_set_logp((h @ w.T).float(), t, ids), adv), dynamic=False)
+
+
+def logp_compile(h, w, t, ids):
+    return _COMPILED_LOGP(h, w, t, ids)
 
 
 def method_compile(h, w, t, ids, adv):
     return _COMPILED(h, w, t, ids, adv)
 
 
-def method_verl(h, w, t, ids, adv):
+def logp_verl(h, w, t, ids):
     from launch.bench.rl import _verl_kernel
-    logp, _ = _verl_kernel()(h, w, t, 1.0, "none", None)
-    return _loss(logp, adv)
+    return _verl_kernel()(h, w, t, 1.0, "none", None)[0]
+
+
+def method_verl(h, w, t, ids, adv):
+    return _loss(logp_verl(h, w, t, ids), adv)
+
+
+# each method's log-probs alone, for its errors against float64
+LOGP = {method_set: logp_set, method_full: logp_full, method_compile: logp_compile, method_verl: logp_verl}
 
 
 def reference(h, w, t, ids, rows: int):
-    """float64 log-probs over the set, and d(sum logp)/dh, of the first ``rows`` tokens."""
+    """float64 log-probs over the set (the whole vocabulary where ``ids`` is None), and
+    d(sum logp)/dh, of the first ``rows`` tokens."""
     h64 = h[:rows].detach().double().requires_grad_()
     x = h64 @ w.detach().double().T
-    sub = ids[:rows]
-    masked = torch.full_like(x, float("-inf")).scatter(1, sub, x.gather(1, sub))
-    logp = torch.log_softmax(masked, -1).gather(1, t[:rows, None]).squeeze(-1)
+    if ids is None:
+        logp = torch.log_softmax(x, -1).gather(1, t[:rows, None]).squeeze(-1)
+    else:
+        logp = _set_logp(x, t[:rows], ids[:rows])
     (dh,) = torch.autograd.grad(logp.sum(), h64)
     return logp.detach(), dh
 
 
-def errors(h, w, t, ids, rows: int) -> dict:
+def errors(logp_fn, h, w, t, ids, rows: int) -> dict:
+    """Max relative errors of a method's log-probs and their ``dh`` on the first ``rows`` tokens."""
     want_lp, want_dh = reference(h, w, t, ids, rows)
     hh = h[:rows].detach().clone().requires_grad_()
-    lp = vparallel_ce.linear_token_logprobs(hh, w.detach(), t[:rows], support=ids[:rows])
+    lp = logp_fn(hh, w.detach(), t[:rows], None if ids is None else ids[:rows])
     (dh,) = torch.autograd.grad(lp.sum(), hh)
     rel = lambda a, b: ((a.double() - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()  # noqa: E731
     return {"logp_err": rel(lp, want_lp), "dh_err": rel(dh, want_dh)}
@@ -167,10 +190,11 @@ def bench_shape(name, args, device, dtype, emit):
                 record["peak_gib"] = peak_of(call, (h, w), device)[0]
             except Exception as exc:  # noqa: BLE001 - a method's failure is a row of the report
                 record["error"] = f"{type(exc).__name__}: {exc}"
-        if label.startswith("set:"):
-            _, k, *mode = label.split(":")
-            with forced_mode(mode[0] if mode else "auto"):
-                record.update(errors(h, w, t, sets[int(k)], min(CHECK_ROWS, n)))
+        if "error" not in record:
+            fn, ids = steps[label]
+            mode = label.split(":")[2] if label.count(":") == 2 else "auto"
+            with forced_mode(mode):
+                record.update(errors(LOGP.get(fn, logp_set), h, w, t, ids, min(CHECK_ROWS, n)))
         emit(record)
 
 

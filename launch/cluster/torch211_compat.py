@@ -23,21 +23,22 @@ stand-in is installed only where torch lacks what it stands in for.
    2.11's ``create_block_mask`` always separates the full blocks, which is what ``True`` asks
    for. The stand-in wraps torch's function: it takes ``separate_full_blocks=True`` and leaves it
    out, and refuses ``False`` (torchtitan's batch-invariant mode), which torch 2.11 cannot do.
-3. The pre-backward hook of an FSDP group whose modules did not all run forward. torchtitan 0.3.0
-   shards ``[norm, lm_head]`` as one FSDP group, and under ``ChunkedLossWrapper`` the model's
-   forward skips the lm_head (``_skip_lm_head=True``). Newer torch (2.13's sources read) completes
-   such a group at the root's post-forward (``FSDPState._force_complete_incomplete_states``),
-   which hooks the norm's output so that its backward gathers the group's parameters again;
-   torch 2.11 runs a group's post-forward only once every module in it has run, here at the
-   wrapper's first lm_head chunk, so the norm's output gets no hook. The wrapper ends its chunks
-   with an explicit ``lm_head.reshard()``, which frees the norm's unsharded weight too, and the
-   decoder's backward then reads freed memory ("its data is not allocated yet" on CUDA, a crash
-   on CPU). The stand-in makes that explicit ``FSDPModule.reshard()`` keep the parameters
-   (FSDP's own reshards, after forward and backward, are untouched; torchtitan calls
-   ``reshard()`` nowhere else). On one GPU the step's peak should be the newer torch's: there the
-   group is freed at the wrapper's end and gathered again at the start of the decoder's backward,
-   the step's peak; here it stays until the norm's backward has run, and one gather (a copy of
-   the lm_head, at world 1) is not made.
+3. FSDP groups of several modules whose modules do not all run forward. torchtitan 0.3.0 shards
+   ``[norm, lm_head]`` as one FSDP group (``fully_shard([model.norm, model.lm_head])``), and under
+   ``ChunkedLossWrapper`` the model's forward skips the lm_head (``_skip_lm_head=True``), which then
+   runs once per chunk. Newer torch (2.13's sources read) runs such a group's pre-forward at every
+   module call, so each chunk's input gets the post-backward hook, and completes the group at the
+   root's post-forward (``FSDPState._force_complete_incomplete_states``). torch 2.11 runs a group's
+   pre-forward only when no module of the group is pending and its post-forward only once all have
+   run, so here only the first two chunks get hooks: the norm's output gets no pre-backward hook
+   (the wrapper's ``lm_head.reshard()`` then frees the norm's weight before its backward: "its data
+   is not allocated yet"), and under bf16 mixed precision the lm_head's gradient is left half in
+   the reduce dtype and half in bf16 ("FSDP reduce-scatter expects uniform gradient dtype"). The
+   stand-in shards each module of a ``fully_shard([...])`` list as a group of its own, which torch
+   2.11's single-module hooks handle at every call. It refuses modules that share a parameter (a
+   tied embedding and lm_head, which torchtitan groups as one unit). On one GPU a group only saves
+   collective calls, each a local copy here; the norm's weight (``dim`` numbers) is gathered on
+   its own.
 
 The rest of what the world-1 llama3 trainer uses exists in torch 2.11 (checked against torch
 2.11.0's sources: every torch name that torchtitan's and spmd_types' modules import or reference,
@@ -56,6 +57,8 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+
+import torch.nn as nn
 
 NEEDS = "torch >= 2.12"
 
@@ -89,12 +92,30 @@ def _create_block_mask_separating_full_blocks(create_block_mask):
     return wrapped
 
 
-GROUP_COMPLETION = "FSDP groups completed at the root's post-forward (FSDPModule.reshard() kept)"
+GROUPS = "fully_shard([modules]) as one group per module (torch 2.11 completes a group only when all of it ran)"
 
 
-def _explicit_reshard_keeping_parameters(self) -> None:
-    """torch 2.11's ``FSDPModule.reshard`` for torchtitan's ``ChunkedLossWrapper``: a no-op, so the
-    norm that shares the lm_head's FSDP group keeps its weight for its backward (3. above)."""
+def _one_group_per_module(fully_shard):
+    """``fully_shard`` that shards each module of a list as its own group (3. above)."""
+
+    @functools.wraps(fully_shard)
+    def wrapped(module, *args, **kwargs):
+        if isinstance(module, nn.Module) or len(module) == 1:
+            return fully_shard(module, *args, **kwargs)
+        seen: dict[int, str] = {}
+        for i, m in enumerate(module):
+            for name, p in m.named_parameters():
+                if id(p) in seen:
+                    raise NotImplementedError(
+                        f"fully_shard of modules that share a parameter ({seen[id(p)]} and module {i}'s {name}, "
+                        f"e.g. tied embeddings) needs {NEEDS}: the torch 2.11 stand-in shards each module of a "
+                        "group on its own")
+                seen[id(p)] = f"module {i}'s {name}"
+        for m in module:
+            fully_shard(m, *args, **kwargs)
+        return module
+
+    return wrapped
 
 
 def apply() -> list[str]:
@@ -111,7 +132,7 @@ def apply() -> list[str]:
     if "separate_full_blocks" not in inspect.signature(flex.create_block_mask).parameters:
         missing.append("create_block_mask(separate_full_blocks=True)")
     if not hasattr(fsdp_state.FSDPState, "_force_complete_incomplete_states"):
-        missing.append(GROUP_COMPLETION)
+        missing.append(GROUPS)
     if not missing:
         return []
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -122,6 +143,6 @@ def apply() -> list[str]:
         fsdp.DataParallelMeshDims = DataParallelMeshDims
     if "create_block_mask(separate_full_blocks=True)" in missing:
         flex.create_block_mask = _create_block_mask_separating_full_blocks(flex.create_block_mask)
-    if GROUP_COMPLETION in missing:
-        fsdp.FSDPModule.reshard = _explicit_reshard_keeping_parameters
+    if GROUPS in missing:
+        fsdp.fully_shard = _one_group_per_module(fsdp.fully_shard)
     return missing

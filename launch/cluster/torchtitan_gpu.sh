@@ -11,8 +11,9 @@
 # Needs torchtitan 0.3.0 and vparallel_ce importable; writes OUTDIR/<loss>.log and OUTDIR/results.jsonl.
 # Where torch lacks torch.distributed.fsdp.DataParallelMeshDims (torch < 2.12, e.g. 2.11), the runs
 # apply launch/cluster/torch211_compat.py: stand-ins, for a one-GPU run, for it, for
-# create_block_mask's separate_full_blocks and for FSDP's completion of the [norm, lm_head] group
-# that ChunkedLossWrapper needs; TORCH211_COMPAT=1/0 forces it on/off.
+# create_block_mask's separate_full_blocks and for FSDP's handling of the [norm, lm_head] group
+# that ChunkedLossWrapper needs (each module sharded as its own group); TORCH211_COMPAT=1/0 forces
+# it on/off.
 # Every run passes --training.disable_cuda_graphs (all three eager, so their memory and speed
 # compare like for like); CUDA_GRAPHS=1 keeps torchtitan 0.3's default capture instead.
 # Other settings: LOSSES (default "chunked plain fused"; the first is the summary's reference),

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A CPU dry run of torchtitan_gpu.sh: the same script, its three losses, on torchtitan's debug
-# Llama (tests/torchtitan_cpu.py's ``debugmodel``: SDPA attention, fp32 parameters) with seq 64,
+# Llama (tests/torchtitan_cpu.py's ``debugmodel``: SDPA attention; here with the GPU config's bf16
+# FSDP mixed precision, whose gradient dtypes FSDP's groups must keep uniform) with seq 64,
 # a 2048-word tokenizer and gloo, as torch 2.11 would take it through torchtitan: without the torch
 # >= 2.12 names (cpu_dryrun/sitecustomize.py takes them away) and with torch211_compat.py standing
 # in. Checks that the runs start, finish and log the same step-1 loss (no speed or memory meaning),
@@ -16,7 +17,8 @@ root="$(cd "$here/../.." && pwd)"
 dest="$1"; steps="${2:-3}"; layers="${3:-2}"
 export PYTHONPATH="$here/cpu_dryrun:$root${PYTHONPATH:+:$PYTHONPATH}"
 export VPCE_TITAN_CPU=1 VPCE_WITHOUT_TORCH212_NAMES=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-export TITAN_CONFIG="--module tests.torchtitan_cpu --config debugmodel" SEQ_LEN=64 VOCAB=2048
+export TITAN_CONFIG="--module tests.torchtitan_cpu --config debugmodel --training.mixed_precision_param bfloat16"
+export SEQ_LEN=64 VOCAB=2048
 export PORT="${PORT:-29631}"
 "$here/torchtitan_gpu.sh" "$dest" "$steps" "$layers" 300 || exit 1
 "${PYTHON:-python3}" - "$dest/results.jsonl" <<'PY'
