@@ -161,11 +161,10 @@ def bench_shape(name, args, device, dtype, emit):
     w = (torch.randn(v, hsz, generator=gen) / hsz**0.5 * 4).to(device, dtype).requires_grad_()
     t = torch.randint(0, v, (n,), generator=gen)
     adv = torch.randn(n, generator=gen).to(device)
-    steps, sets = {}, {}
+    steps = {}
     for k in args.ks:
         k_here = -(-k // tp)  # this rank's share of each row's ids
         ids = make_support(t, v, k_here, gen).to(device)
-        sets[k] = ids
         if "set" in args.methods:
             for mode in args.set_modes:
                 steps[f"set:{k}" if mode == "auto" else f"set:{k}:{mode}"] = \
