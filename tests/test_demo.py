@@ -59,11 +59,14 @@ def torchrun_cmd(nproc: int, *launcher_args: str) -> list[str]:
 
 
 def run(cmd: list[str], cwd: Path, timeout: float = RUN_TIMEOUT, **env: str) -> subprocess.CompletedProcess:
-    """``cmd`` in the CPU environment, with ``env`` added to it; ``python FILE ...`` in a process forked
-    from one that imported torch already (tests/warm.py), as a new interpreter runs it."""
+    """``cmd`` in the CPU environment, with ``env`` added to it; ``python FILE ...`` and ``python -m
+    MODULE ...`` (torchrun's agent, which starts its ranks as new interpreters) in a process forked
+    from one that imported torch already (tests/warm.py), as a new interpreter runs them."""
     env = {**_cpu_env(), **env}
     if cmd[0] == sys.executable and cmd[1].endswith(".py"):
         return run_python("", cmd[1], *cmd[2:], env=env, cwd=cwd, timeout=timeout)
+    if cmd[0] == sys.executable and cmd[1] == "-m":
+        return run_python("-m", cmd[2], *cmd[3:], env=env, cwd=cwd, timeout=timeout)
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL)
 
@@ -146,7 +149,9 @@ def test_two_nodes_on_loopback(tmp_path, reference):
     """2 "nodes" of one process each, started by launch/cluster/multinode.sh, meet through the c10d
     rendezvous on 127.0.0.1 and train one job whose TP group spans the nodes (TP2: the fused loss's
     collectives cross them; DP across processes is the README layout's)."""
-    env = {**_cpu_env(), "NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
+    # one thread per rank, as torchrun gives the ranks of a node of several (here each node has one
+    # and both share the machine's cores)
+    env = {**_cpu_env(), "OMP_NUM_THREADS": "1", "NNODES": "2", "NPROC_PER_NODE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "RDZV_ID": "loopback-test", "PYTHON": sys.executable}
     cmd = ["bash", str(MULTINODE), *COMMON, "--dp", "1", "--tp", "2", "--loss", "fused"]
     nodes = [subprocess.Popen(cmd, cwd=tmp_path, env=env, text=True, stdin=subprocess.DEVNULL,

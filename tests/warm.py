@@ -3,9 +3,11 @@
 A Python that imports torch spends seconds of a 2-core machine doing so, and the suite starts dozens
 of them: gloo ranks (tests/dist.py), scripts run under Triton's interpreter, the benchmarks' smoke
 runs. Here they are forked from one server per test process that imported torch once
-(multiprocessing's ``forkserver`` with torch preloaded) -- and nothing else: triton and vparallel_ce,
-which read environment variables at import (``TRITON_INTERPRET``, ``VPARALLEL_CE_KERNELS``), are
-imported by each process after its own environment is set, as in a new interpreter.
+(multiprocessing's ``forkserver`` with torch preloaded), and DTensor (``torch.distributed.tensor``,
+a second more with sympy, which most ranks import: device meshes, DTensor inputs, the trainers) --
+and nothing else: triton and vparallel_ce, which read environment variables at import
+(``TRITON_INTERPRET``, ``VPARALLEL_CE_KERNELS``), are imported by each process after its own
+environment is set, as in a new interpreter (so is ``torch._dynamo``, which imports triton).
 
 * :func:`context`: the multiprocessing context of those processes (tests/dist.py's ranks);
 * :func:`run_python`: ``python -c CODE ARGS``, ``python -m MODULE ARGS`` or ``python FILE ARGS`` with
@@ -30,7 +32,7 @@ import sys
 import tempfile
 import time
 
-PRELOAD = ["torch"]
+PRELOAD = ["torch", "torch.distributed.tensor"]
 _IMPORTED_AFTER_THE_ENVIRONMENT = ("triton", "vparallel_ce")
 # the forked process's exit code when the server imported one of them with other settings than asked
 FRESH_INTERPRETER_NEEDED = 75
