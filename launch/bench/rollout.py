@@ -60,12 +60,15 @@ def _loss(logp, adv):
     return -(adv * logp).mean()
 
 
+def _method(logp):
+    """The timed step of a method whose log-probs ``logp(h, w, t, ids)`` gives: its loss."""
+    def method(h, w, t, ids, adv):
+        return _loss(logp(h, w, t, ids), adv)
+    return method
+
+
 def logp_set(h, w, t, ids):
     return vparallel_ce.linear_token_logprobs(h, w, t, support=ids)
-
-
-def method_set(h, w, t, ids, adv):
-    return _loss(logp_set(h, w, t, ids), adv)
 
 
 # GATHER_RATIO that forces a mode: 0 gathers every chunk, a huge one never does
@@ -84,20 +87,21 @@ def forced_mode(mode: str):
         sampling_set.GATHER_RATIO = ratio
 
 
+def logp_set_in_mode(mode: str):
+    """``logp_set`` in ``mode`` (:func:`forced_mode`)."""
+    def logp(h, w, t, ids):
+        with forced_mode(mode):
+            return logp_set(h, w, t, ids)
+    return logp
+
+
 def set_in_mode(mode: str):
     """``method_set`` in ``mode`` (:func:`forced_mode`)."""
-    def method(h, w, t, ids, adv):
-        with forced_mode(mode):
-            return method_set(h, w, t, ids, adv)
-    return method
+    return _method(logp_set_in_mode(mode))
 
 
 def logp_full(h, w, t, ids):
     return vparallel_ce.linear_token_logprobs(h, w, t)
-
-
-def method_full(h, w, t, ids, adv):
-    return _loss(logp_full(h, w, t, ids), adv)
 
 
 def _set_logp(x, t, ids):
@@ -106,16 +110,13 @@ def _set_logp(x, t, ids):
     return torch.log_softmax(masked, -1).gather(1, t[:, None]).squeeze(-1)
 
 
-_COMPILED_LOGP = torch.compile(lambda h, w, t, ids: _set_logp((h @ w.T).float(), t, ids), dynamic=False)
-_COMPILED = torch.compile(lambda h, w, t, ids, adv: _loss(_set_logp((h @ w.T).float(), t, ids), adv), dynamic=False)
+def _gathered_set_logp(h, w, t, ids):
+    return _set_logp((h @ w.T).float(), t, ids)
 
 
-def logp_compile(h, w, t, ids):
-    return _COMPILED_LOGP(h, w, t, ids)
-
-
-def method_compile(h, w, t, ids, adv):
-    return _COMPILED(h, w, t, ids, adv)
+logp_compile = torch.compile(_gathered_set_logp, dynamic=False)
+# the timed step compiled whole (the loss with the log-probs), as a user would
+method_compile = torch.compile(_method(_gathered_set_logp), dynamic=False)
 
 
 def logp_verl(h, w, t, ids):
@@ -123,12 +124,7 @@ def logp_verl(h, w, t, ids):
     return _verl_kernel()(h, w, t, 1.0, "none", None)[0]
 
 
-def method_verl(h, w, t, ids, adv):
-    return _loss(logp_verl(h, w, t, ids), adv)
-
-
-# each method's log-probs alone, for its errors against float64
-LOGP = {method_set: logp_set, method_full: logp_full, method_compile: logp_compile, method_verl: logp_verl}
+method_set, method_full, method_verl = _method(logp_set), _method(logp_full), _method(logp_verl)
 
 
 def reference(h, w, t, ids, rows: int):
@@ -161,22 +157,22 @@ def bench_shape(name, args, device, dtype, emit):
     w = (torch.randn(v, hsz, generator=gen) / hsz**0.5 * 4).to(device, dtype).requires_grad_()
     t = torch.randint(0, v, (n,), generator=gen)
     adv = torch.randn(n, generator=gen).to(device)
-    steps = {}
+    steps = {}  # label -> (timed step, its log-probs alone for the errors, the sets or None)
     for k in args.ks:
         k_here = -(-k // tp)  # this rank's share of each row's ids
         ids = make_support(t, v, k_here, gen).to(device)
         if "set" in args.methods:
             for mode in args.set_modes:
-                steps[f"set:{k}" if mode == "auto" else f"set:{k}:{mode}"] = \
-                    (method_set if mode == "auto" else set_in_mode(mode), ids)
+                logp = logp_set if mode == "auto" else logp_set_in_mode(mode)
+                steps[f"set:{k}" if mode == "auto" else f"set:{k}:{mode}"] = (_method(logp), logp, ids)
         if "compile" in args.methods:
-            steps[f"compile:{k}"] = (method_compile, ids)
+            steps[f"compile:{k}"] = (method_compile, logp_compile, ids)
     t = t.to(device)
     if "full" in args.methods:
-        steps["full"] = (method_full, None)
+        steps["full"] = (method_full, logp_full, None)
     if "verl" in args.methods and device.type == "cuda":
-        steps["verl"] = (method_verl, None)
-    calls = {label: (lambda fn=fn, ids=ids: fn(h, w, t, ids, adv).backward()) for label, (fn, ids) in steps.items()}
+        steps["verl"] = (method_verl, logp_verl, None)
+    calls = {label: (lambda fn=fn, ids=ids: fn(h, w, t, ids, adv).backward()) for label, (fn, _, ids) in steps.items()}
     times = timed_in_rounds(calls, (h, w), device, args.repeats, args.warmup)
     for label, call in calls.items():
         record = {"shape": name, "N": n, "H": hsz, "V": v, "tp_share_of": tp, "method": label, "dtype": str(dtype)}
@@ -190,11 +186,9 @@ def bench_shape(name, args, device, dtype, emit):
             except Exception as exc:  # noqa: BLE001 - a method's failure is a row of the report
                 record["error"] = f"{type(exc).__name__}: {exc}"
         if "error" not in record:
-            fn, ids = steps[label]
-            mode = label.split(":")[2] if label.count(":") == 2 else "auto"
+            _, logp, ids = steps[label]
             try:
-                with forced_mode(mode):
-                    record.update(errors(LOGP.get(fn, logp_set), h, w, t, ids, min(CHECK_ROWS, n)))
+                record.update(errors(logp, h, w, t, ids, min(CHECK_ROWS, n)))
             except Exception as exc:  # noqa: BLE001 - as above
                 record["error"] = f"errors: {type(exc).__name__}: {exc}"
         emit(record)
