@@ -4,7 +4,9 @@
 process group and returns the list of results, rank by rank. ``fn`` must be a module-level function
 (it is pickled by reference). Workers are kept alive between calls (one pool per world size per
 test process), because starting a process costs seconds on a 2-core machine; they are forked from a
-server that imported torch once (tests/warm.py).
+server that imported torch once (tests/warm.py) -- or, with ``fork=True``, from the calling process
+itself (a script under Triton's interpreter, whose ranks must import triton with its settings: no
+second server to start, and the ranks find what it imported).
 
 Failure never hangs:
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import multiprocessing
 import os
 import queue
 import tempfile
@@ -31,7 +34,7 @@ from tests import warm
 PG_TIMEOUT = datetime.timedelta(seconds=60)
 DEFAULT_TIMEOUT = 180.0
 
-_POOLS: dict[int, "_Pool"] = {}
+_POOLS: dict[tuple[int, bool], "_Pool"] = {}
 
 
 class RankFailure(AssertionError):
@@ -76,8 +79,9 @@ def _alive(pid: int) -> bool:
 
 
 class _Pool:
-    def __init__(self, world: int):
-        ctx = warm.context()  # forked from a process that imported torch once (tests/warm.py)
+    def __init__(self, world: int, fork: bool = False):
+        # forked from a process that imported torch once (tests/warm.py), or from this one
+        ctx = multiprocessing.get_context("fork") if fork else warm.context()
         self.world = world
         self.tmp = tempfile.mkdtemp(prefix="vpce_store_")
         store_path = os.path.join(self.tmp, "store")
@@ -126,18 +130,21 @@ class _Pool:
                 p.join(timeout=5)
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results."""
-    pool = _POOLS.get(world_size)
+def run_ranks(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, fork: bool = False):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results.
+    ``fork=True``: ranks forked from this process (before it computes anything: a process forked
+    after OpenMP ran may hang in it)."""
+    key = (world_size, fork)
+    pool = _POOLS.get(key)
     if pool is None or not all(p.is_alive() for p in pool.procs):
         if pool is not None:
             pool.close(graceful=False)
-        pool = _POOLS[world_size] = _Pool(world_size)
+        pool = _POOLS[key] = _Pool(world_size, fork)
     try:
         return pool.run(fn, args, timeout)
     except BaseException:
         # Other ranks may be stuck in a collective with the failed one: never reuse this pool.
-        _POOLS.pop(world_size, None)
+        _POOLS.pop(key, None)
         pool.close(graceful=False)
         raise
 

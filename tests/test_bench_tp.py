@@ -31,7 +31,7 @@ def test_bench_tp_smoke_two_gloo_ranks(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.pop("OMP_NUM_THREADS", None)
     # torchrun's two ranks, forked from a process that imported torch already (tests/warm.py)
-    proc = run_like_torchrun("-m", "launch.bench.tp", "--smoke", "--repeats", "2", "--warmup", "1", "--timeout", "60",
+    proc = run_like_torchrun("-m", "launch.bench.tp", "--smoke", "--repeats", "1", "--warmup", "0", "--timeout", "60",
                              "--out", str(out), nproc=2, env=env, cwd=ROOT, logdir=tmp_path, timeout=120,
                              port=free_port())
     log = proc.stdout + proc.stderr

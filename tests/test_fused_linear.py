@@ -306,9 +306,12 @@ _SCHEDULES_FUSED = textwrap.dedent(
     import sys
     from tests.dist import run_ranks
     from tests.test_fused_linear import fused_schedule_rank
-    for layout in sys.argv[1:]:  # "WORLD:replicated" or "WORLD:sp", in one process (one interpreter start)
+    # "WORLD:replicated" or "WORLD:sp", in one process (one interpreter start); the ranks forked from
+    # it, the multi-rank layouts first (before this process computes)
+    for layout in sorted(sys.argv[1:], key=lambda layout: -int(layout.split(":")[0])):
         world, sp = int(layout.split(":")[0]), layout.endswith(":sp")
-        results = run_ranks(fused_schedule_rank, world, sp) if world > 1 else [fused_schedule_rank(0, 1, sp)]
+        results = (run_ranks(fused_schedule_rank, world, sp, fork=True) if world > 1
+                   else [fused_schedule_rank(0, 1, sp)])
         for rank, (failures, calls) in enumerate(results):
             assert not failures, f"{layout}, rank {rank}: (options, reduction, plan, error) over tolerance: {failures}"
             # every rank holds a shard at V=29: each case runs the fused statistics and gradients

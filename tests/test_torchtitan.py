@@ -1,7 +1,7 @@
 """torchtitan 0.3 with the losses of vparallel_ce.integrations.torchtitan (CPU, gloo).
 
 In-process checks of the pieces, then torchtitan's own trainer (tests/torchtitan_cpu.py) on its
-llama3 debug model for a few steps, on a tokenizer and a text dataset that
+llama3 debug model (its first two layers) for a few steps, on a tokenizer and a text dataset that
 launch/cluster/torchtitan_assets.py writes into the test's tmp dir (nothing is downloaded). World 1
 runs in one process and every world-2 layout in one pair of processes, the trainer once per layout
 and loss: torchtitan's plain ``CrossEntropyLoss`` (the debug config's ``llama3_debugmodel_ce_loss``),
@@ -239,7 +239,7 @@ def assets(tmp_path_factory) -> Path:
 
 
 def train(assets: Path, tmp: Path, nproc: int, layout: tuple, runs: dict[str, tuple], *,
-          config: str = "debugmodel", steps: int = STEPS) -> dict[str, dict]:
+          config: str = "debugmodel_two_layers", steps: int = STEPS) -> dict[str, dict]:
     """torchtitan's trainer on ``nproc`` ranks with the ``layout`` flags, once per entry of
     ``runs`` ({name: extra flags, which may add layout flags of their own}), in one set of
     processes, for ``steps`` steps of the ``config`` of tests/torchtitan_cpu.py: {name: {step:

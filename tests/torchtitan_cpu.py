@@ -15,9 +15,9 @@ use plain sums, since gloo has no PREMUL_SUM (FSDP uses it for torchtitan's divi
 gives ``torch.distributed`` the ``set_timeout`` that torchtitan 0.3.0 calls after the first step
 (torch 2.13 has it only on process groups), lets torch 2.13's pipeline schedules take the
 microbatches torchtitan 0.3.0 splits itself, and skips the trainer's 2-second sleep after its last
-step (a pause for other ranks' logs). :func:`debugmodel` and :func:`deepseek_v3_mtp_debugmodel` are
-the configs the tests train. Nothing else changes: the trainer, the losses and the log lines are
-torchtitan's. Test helper only; not part of the library.
+step (a pause for other ranks' logs). :func:`debugmodel_two_layers` and
+:func:`deepseek_v3_mtp_debugmodel` are the configs the tests train. Nothing else changes: the
+trainer, the losses and the log lines are torchtitan's. Test helper only; not part of the library.
 """
 
 from __future__ import annotations
@@ -133,6 +133,16 @@ def debugmodel():
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
     config.activation_checkpoint = None
     config.training.mixed_precision_param = "float32"
+    return config
+
+
+def debugmodel_two_layers():
+    """``--config debugmodel_two_layers``: :func:`debugmodel` cut to its first two layers, what the
+    tests train (the losses see the last hidden state and the lm_head: the layer count changes
+    nothing they are checked for, and PP 2 still gives each stage one; two layers make a run's
+    per-op DTensor, FSDP and pipeline work on CPU a third of six's)."""
+    config = debugmodel()
+    config.model_spec.model.layers = config.model_spec.model.layers[:2]
     return config
 
 
