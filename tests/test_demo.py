@@ -5,14 +5,11 @@ lines and ends with its own verdict: step 1 of the parallel run against the same
 one process with plain ``F.cross_entropy`` (loss and gradient norm), ``OK`` or ``MISMATCH``. The
 tests check that verdict and compare the curves:
 
-* the README's layout (8 ranks, no layout flags: DP2 x TP2 x PP2, the fused loss) and the chunked
-  loss with sequence parallel (TP2 x PP2) give OK and the curve of one process with the naive loss
-  (full logits + ``F.cross_entropy``); their ranks get the environment torchrun gives them,
-  forked from a process that imported torch already (tests/warm.py: 8 new interpreters importing
-  torch on 2 cores cost the README run most of its time),
+* the README's command (DP2 x TP2 x PP2, the fused loss) and the chunked loss with sequence parallel
+  (TP2 x PP2) give OK and the curve of one process with the naive loss (full logits +
+  ``F.cross_entropy``),
 * two "nodes" on loopback (launch/cluster/multinode.sh, one process each) meet through the c10d
-  rendezvous, train one TP2 job across them and agree: torchrun's own agent starting the demo's
-  ranks as new interpreters,
+  rendezvous, train one TP2 job across them and agree,
 * a layout that does not fit the world size exits non-zero with its message.
 
 The demo runs as a script (as the README runs it); nothing is imported from it.
@@ -57,11 +54,21 @@ def _cpu_env() -> dict:
     return {**_env(), "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU in float32, whatever the machine has
 
 
+def torchrun_cmd(nproc: int, *launcher_args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *launcher_args]
+
+
 def run(cmd: list[str], cwd: Path, timeout: float = RUN_TIMEOUT, **env: str) -> subprocess.CompletedProcess:
-    """``python FILE ...`` in the CPU environment, with ``env`` added to it, in a process forked from
-    one that imported torch already (tests/warm.py), as a new interpreter runs it."""
-    assert cmd[0] == sys.executable and cmd[1].endswith(".py"), cmd
-    return run_python("", cmd[1], *cmd[2:], env={**_cpu_env(), **env}, cwd=cwd, timeout=timeout)
+    """``cmd`` in the CPU environment, with ``env`` added to it; ``python FILE ...`` and ``python -m
+    MODULE ...`` (torchrun's agent, which starts its ranks as new interpreters) in a process forked
+    from one that imported torch already (tests/warm.py), as a new interpreter runs them."""
+    env = {**_cpu_env(), **env}
+    if cmd[0] == sys.executable and cmd[1].endswith(".py"):
+        return run_python("", cmd[1], *cmd[2:], env=env, cwd=cwd, timeout=timeout)
+    if cmd[0] == sys.executable and cmd[1] == "-m":
+        return run_python("-m", cmd[2], *cmd[3:], env=env, cwd=cwd, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
 
 
 def parse_losses(stdout: str) -> dict[int, float]:
@@ -76,12 +83,15 @@ def assert_ok(stdout: str) -> None:
     assert float(errors.group(1)) < 1e-4 and float(errors.group(2)) < 1e-4, errors.group(0)
 
 
-def train(tmp_path: Path, nproc: int, *args: str) -> dict[int, float]:
-    """Run the demo on ``nproc`` ranks with the environment ``torchrun --nproc_per_node NPROC`` gives
-    them, without its agent, forked from a process that imported torch already (tests/warm.py);
-    check its verdict and return {step: loss}."""
-    proc = run_like_torchrun("", DEMO, *COMMON, *args, nproc=nproc, env=_cpu_env(), cwd=tmp_path, logdir=tmp_path,
-                             timeout=RUN_TIMEOUT, port=free_port())
+def train(tmp_path: Path, nproc: int, *args: str, agent: bool = True) -> dict[int, float]:
+    """Run the demo under torchrun, check its verdict and return {step: loss}; ``agent=False``: its
+    ranks with the environment torchrun gives them, without the agent, forked from a process that
+    imported torch already (tests/warm.py)."""
+    if agent:
+        proc = run(torchrun_cmd(nproc, "--master-port", str(free_port()), str(DEMO), *COMMON, *args), cwd=tmp_path)
+    else:
+        proc = run_like_torchrun("", DEMO, *COMMON, *args, nproc=nproc, env=_cpu_env(), cwd=tmp_path, logdir=tmp_path,
+                                 timeout=RUN_TIMEOUT, port=free_port())
     return checked_curve(proc)
 
 
@@ -124,15 +134,15 @@ def _reference_curve(tmp: Path) -> dict[int, float]:
     return curve
 
 
-@pytest.mark.parametrize("nproc, extra", [
-    (8, []), (4, ["--dp", "1", "--tp", "2", "--pp", "2", "--loss", "chunked", "--sp"]),
+@pytest.mark.parametrize("nproc, extra, agent", [
+    (8, [], True), (4, ["--dp", "1", "--tp", "2", "--pp", "2", "--loss", "chunked", "--sp"], False),
 ], ids=["readme-dp2-tp2-pp2-fused", "tp2-pp2-chunked-sp"])
-def test_parallel_layouts_match_one_process(tmp_path, reference, nproc, extra):
-    """8 ranks with no layout flags, as ``torchrun --nproc_per_node 8`` in the README starts them:
-    the README's DP2 x TP2 x PP2 with the fused loss; the chunked loss with sequence parallelism on
-    TP2 x PP2 (4 ranks: DP is covered by the README's layout). Both without torchrun's agent
-    (:func:`train`); test_two_nodes_on_loopback runs the demo through the agent."""
-    assert_same_curve(train(tmp_path, nproc, *extra), reference)
+def test_parallel_layouts_match_one_process(tmp_path, reference, nproc, extra, agent):
+    """8 ranks with no layout flags, through torchrun as the README runs them: the README's DP2 x
+    TP2 x PP2 with the fused loss; the chunked loss with sequence parallelism on TP2 x PP2 (4 ranks
+    as torchrun starts them, without its agent: DP is covered by the README's layout and the two
+    nodes)."""
+    assert_same_curve(train(tmp_path, nproc, *extra, agent=agent), reference)
 
 
 def test_two_nodes_on_loopback(tmp_path, reference):
