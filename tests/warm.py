@@ -4,9 +4,10 @@ A Python that imports torch spends seconds of a 2-core machine doing so, and the
 of them: gloo ranks (tests/dist.py), scripts run under Triton's interpreter, the benchmarks' smoke
 runs. Here they are forked from one server per test process that imported torch once
 (multiprocessing's ``forkserver`` with torch preloaded), DTensor (``torch.distributed.tensor``,
-a second more with sympy, which most ranks import: device meshes, DTensor inputs, the trainers) and
-``torch._dynamo`` (1.5 s more, which nearly every process pays: the ops' eager path is a
-``torch.compiler.disable`` function, which imports dynamo at its first call) -- and nothing else.
+a second more with sympy, which most ranks import: device meshes, DTensor inputs, the trainers) and,
+with a CPU build of torch, ``torch._dynamo`` (1.5 s more, which nearly every process pays: the ops'
+eager path is a ``torch.compiler.disable`` function, which imports dynamo at its first call) -- and
+nothing else.
 vparallel_ce reads environment variables at import (``VPARALLEL_CE_KERNELS``): each process imports
 it after its own environment is set, as a new interpreter does. Dynamo imports triton, whose
 ``@triton.jit`` functions (its standard library's too) are interpreted or compiled as
@@ -38,7 +39,17 @@ import sys
 import tempfile
 import time
 
-PRELOAD = ["torch", "torch.distributed.tensor", "torch._dynamo"]
+PRELOAD = ["torch", "torch.distributed.tensor"]
+# and torch._dynamo where torch is a CPU build: ranks forked from the server can use CUDA only if it
+# never initialised the CUDA driver, and dynamo's import has been checked for that on CPU builds only
+_CPU_ONLY_PRELOAD = ["torch._dynamo"]
+
+
+def preload() -> list[str]:
+    """The modules the servers import before they fork (:data:`PRELOAD`, and dynamo on a CPU build)."""
+    import torch
+
+    return PRELOAD + (_CPU_ONLY_PRELOAD if torch.version.cuda is None and torch.version.hip is None else [])
 # {module: prefix of the environment variables it reads at import}
 _READ_AT_IMPORT = {"triton": "TRITON_", "vparallel_ce": "VPARALLEL_CE_"}
 # the forked process's exit code when the server imported one of them with other settings than asked
@@ -58,7 +69,7 @@ def _imported_with_other_settings(env) -> bool:
 
 def context():
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload(preload())
     return ctx
 
 
@@ -138,7 +149,7 @@ def run_python(kind: str, what, *argv: str, env: dict, cwd, timeout: float) -> s
 class _Launcher:
     """A second process server, for commands whose ``TRITON_*`` settings are not the test process's
     (Triton's interpreter): a new interpreter started with those settings, which preloads
-    :data:`PRELOAD` as the server does and forks one process per command, run as
+    :func:`preload` as the server does and forks one process per command, run as
     :func:`start_python` runs it. Requests on its stdin, one JSON line each; it answers the
     process's pid, then its exit code (negative: the signal that ended it). It ends with the test
     process (its stdin closes)."""
@@ -217,7 +228,7 @@ def _serve() -> None:
 
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what imports print goes to stderr; fd 1 answers no more
-    for name in PRELOAD:
+    for name in preload():
         __import__(name)
     for line in sys.stdin:
         request = json.loads(line)
