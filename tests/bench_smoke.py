@@ -14,10 +14,15 @@ ROOT = Path(__file__).resolve().parents[1]
 ROW_RE = re.compile(r"^\| (smoke\S*) \| (\S+) \| ([0-9.]+) \|", re.M)
 
 
-def run_bench(module: str, out: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def run_bench(module: str, out: Path, *args: str, timeout: float = 240,
+              interpreted: bool = False) -> subprocess.CompletedProcess:
     """``python -m module --smoke --out out *args`` with no GPU visible and this checkout
-    importable; asserts exit 0 and returns the finished process."""
+    importable; asserts exit 0 and returns the finished process. ``interpreted``: with
+    ``TRITON_INTERPRET=1`` in its environment (a module whose smoke run takes the Triton kernels:
+    the setting must be there before the process imports triton, not set by the module)."""
     env = dict(os.environ)
+    if interpreted:
+        env["TRITON_INTERPRET"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ""
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = run_python("-m", module, "--smoke", "--out", str(out), *args, env=env, cwd=ROOT, timeout=timeout)

@@ -17,7 +17,7 @@ def test_bench_plan_gemms_smoke_on_cpu(tmp_path):
     from launch.bench.plan_gemms import PARTS
 
     out = tmp_path / "plan_gemms.jsonl"
-    proc = run_bench("launch.bench.plan_gemms", out, timeout=180)
+    proc = run_bench("launch.bench.plan_gemms", out, timeout=180, interpreted=True)
     rows = {r["part"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert tuple(rows) == PARTS
     assert all(r["ms"] > 0 and r["shape"] == "64x32x500" and r["blocks"] == 2 for r in rows.values()), rows
