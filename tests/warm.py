@@ -12,15 +12,16 @@ vparallel_ce reads environment variables at import (``VPARALLEL_CE_KERNELS``): e
 it after its own environment is set, as a new interpreter does. Dynamo imports triton, whose
 ``@triton.jit`` functions (its standard library's too) are interpreted or compiled as
 ``TRITON_INTERPRET`` says when they are defined: a process whose ``TRITON_*`` settings differ from
-the server's (the scripts run under Triton's interpreter) runs in a new interpreter instead.
+the server's (the scripts run under Triton's interpreter) is forked from a second server started
+with its settings (:class:`_Launcher`).
 
 * :func:`context`: the multiprocessing context of those processes (tests/dist.py's ranks);
 * :func:`run_python`: ``python -c CODE ARGS``, ``python -m MODULE ARGS`` or ``python FILE ARGS`` with
   an environment and a working directory, returning what ``subprocess.run(..., capture_output=True,
   text=True)`` does, and raising ``subprocess.TimeoutExpired`` (after killing the process and its
-  children) past the timeout. Where the server imported a module with other settings than the
-  command's environment asks for (triton, under ``TRITON_INTERPRET=1``), the command runs in a new
-  interpreter instead;
+  children) past the timeout. A command with other ``TRITON_*`` settings than the server's is forked
+  from a second server of its settings; where the server imported another module with other
+  settings than the command's environment asks for, the command runs in a new interpreter instead;
 * :func:`start_python`: the same started, its output written to files (ranks started together);
   :func:`run_like_torchrun`: the ranks of ``torchrun --nproc_per_node N`` without its agent.
 """
