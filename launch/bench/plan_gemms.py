@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -39,7 +38,7 @@ if "--smoke" in sys.argv:  # before triton is imported
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from launch.bench.loss import shape_of  # noqa: E402
+from launch.bench import loss  # noqa: E402
 from launch.bench.timing import timed  # noqa: E402
 from vparallel_ce import policy, stats  # noqa: E402
 from vparallel_ce.gemm import mm_into  # noqa: E402
@@ -55,14 +54,6 @@ def auto_blocks(n: int, hdim: int, v: int) -> int:
     picks token chunks)."""
     plan = policy.choose_plan(n, v, 1, hidden_size=hdim, schedule="auto", chunks="auto", fused=True)
     return plan.chunks if plan.schedule == "vocab" else 1
-
-
-def problem(n: int, hdim: int, v: int, dtype, device):
-    g = torch.Generator(device="cpu").manual_seed(0)
-    h = torch.randn(n, hdim, generator=g).to(device=device, dtype=dtype)
-    w = (torch.randn(v, hdim, generator=g) / math.sqrt(hdim)).to(device=device, dtype=dtype)
-    t = torch.randint(0, v, (n,), generator=g).to(device)
-    return h, w, t
 
 
 def parts(h, w, t, blocks: list[slice]) -> dict:
@@ -92,7 +83,9 @@ def parts(h, w, t, blocks: list[slice]) -> dict:
 
 def bench(shape: tuple[int, int, int], n_blocks: int, args, device, dtype) -> list[dict]:
     n, hdim, v = shape
-    h, w, t = problem(n, hdim, v, dtype, device)
+    # the loss benchmark's inputs (GEMM times depend on the data), as plain tensors of ``dtype``
+    h, w, t = loss.inputs(shape, device)
+    h, w = h.detach().to(dtype), w.detach().to(dtype)
     blocks = vocab_blocks(v, n_blocks)
     flop = 2.0 * n * hdim * v
     ms = {name: timed(fn, device, args.repeats, args.warmup, ahead_ms=args.ahead_ms)
@@ -121,7 +114,7 @@ def main(argv=None) -> int:
         args.shape, args.repeats, args.warmup, args.blocks = SMOKE_SHAPE, 1, 0, args.blocks or 2
     if device.type != "cuda":
         args.ahead_ms = 0.0
-    shape = shape_of(args.shape)
+    shape = loss.shape_of(args.shape)
     rows = bench(shape, args.blocks or auto_blocks(*shape), args, device, dtype)
     if args.out:
         with open(args.out, "a") as f:
